@@ -1,0 +1,81 @@
+"""The shared pieces of every attention backend: argument checks and the reference mask."""
+
+from __future__ import annotations
+
+import torch
+
+
+class AttentionBackend:
+    """Base of the attention backends: holds the name and the construction-time shape check.
+
+    Subclasses implement ``__call__`` with the signature documented in :mod:`mmzoo.backends`.
+    """
+
+    name: str = "?"
+
+    def check_shape(self, *, head_dim: int, num_heads: int, num_kv_heads: int) -> None:
+        """Raise ``ValueError`` if this backend cannot run attention of this shape.
+
+        Called by attention layers in ``__init__`` so that an unsupported shape fails at
+        construction, not in the middle of a forward pass.
+        """
+        if head_dim <= 0:
+            raise ValueError(f"{self.name} attention: head_dim must be positive, got {head_dim}")
+        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"{self.name} attention: num_heads={num_heads} is not a multiple of "
+                f"num_kv_heads={num_kv_heads}"
+            )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Check the layouts named in :mod:`mmzoo.backends` (shape metadata only, no tensor values)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"attention expects [b, h, s, d] tensors, got q{tuple(q.shape)} k{tuple(k.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"attention: k{tuple(k.shape)} and v{tuple(v.shape)} differ")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"attention: q{tuple(q.shape)} and k{tuple(k.shape)} disagree on batch or head_dim")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads")
+
+
+def visibility_mask(
+    b: int,
+    sq: int,
+    skv: int,
+    device: torch.device,
+    *,
+    causal: bool,
+    q_segment_ids: torch.Tensor | None,
+    kv_segment_ids: torch.Tensor | None,
+    q_positions: torch.Tensor | None,
+    kv_lengths: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Boolean ``[b, 1, sq, skv]`` mask, True where a key is visible; ``None`` if all are."""
+    mask = None
+    kv_idx = torch.arange(skv, device=device)  # [skv]
+    if causal:
+        if q_positions is None:
+            q_positions = (torch.arange(sq, device=device) + (skv - sq)).expand(b, sq)
+        mask = kv_idx.view(1, 1, skv) <= q_positions.view(b, sq, 1)  # [b, sq, skv]
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("attention: pass both q_segment_ids and kv_segment_ids, or neither")
+    if q_segment_ids is not None:
+        seg = q_segment_ids.view(b, sq, 1) == kv_segment_ids.view(b, 1, skv)  # [b, sq, skv]
+        mask = seg if mask is None else mask & seg
+    if kv_lengths is not None:
+        lens = (kv_idx.view(1, 1, skv) < kv_lengths.view(b, 1, 1)).expand(b, sq, skv)
+        mask = lens if mask is None else mask & lens
+    return None if mask is None else mask.unsqueeze(1)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[b, hkv, s, d]`` -> ``[b, hkv * groups, s, d]``: each kv head serves ``groups`` query heads."""
+    if groups == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)

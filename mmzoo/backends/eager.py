@@ -1,0 +1,32 @@
+"""Eager attention: explicit matmul, mask and softmax. The readable reference backend."""
+
+from __future__ import annotations
+
+import torch
+
+from mmzoo.backends._base import AttentionBackend, check_inputs, repeat_kv, visibility_mask
+
+
+class EagerAttention(AttentionBackend):
+    """``softmax(q k^T * scale + mask) v`` written out, in float32 for the softmax."""
+
+    name = "eager"
+
+    def __call__(self, q, k, v, *, scale, causal=False, q_segment_ids=None, kv_segment_ids=None,
+                 q_positions=None, kv_lengths=None):
+        check_inputs(q, k, v)
+        b, hq, sq, _ = q.shape
+        skv = k.shape[2]
+        groups = hq // k.shape[1]
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [b, hq, sq, skv]
+        mask = visibility_mask(b, sq, skv, q.device, causal=causal, q_segment_ids=q_segment_ids,
+                               kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+                               kv_lengths=kv_lengths)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v)  # [b, hq, sq, d]
+        if mask is not None:
+            out = out * mask.any(dim=-1, keepdim=True).to(out.dtype)  # rows that see nothing -> 0
+        return out

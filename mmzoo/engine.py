@@ -1,0 +1,135 @@
+"""``mmzoo.load``: a checkpoint directory -> an :class:`Engine` with ``.generate()``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mmzoo import _registry
+from mmzoo._weights import load_strict, read_safetensors
+from mmzoo.errors import MmzooError
+from mmzoo.executor import Executor, Result
+from mmzoo.models._types import Prepared, Request
+
+
+def read_config(checkpoint: str | Path):
+    """transformers' config object of a checkpoint directory, with clear errors for a bad directory."""
+    from transformers import AutoConfig
+
+    root = Path(checkpoint)
+    if not root.exists():
+        raise MmzooError(f"checkpoint directory {root} does not exist")
+    if not root.is_dir():
+        raise MmzooError(f"checkpoint {root} is not a directory")
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise MmzooError(f"checkpoint {root} has no config.json")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise MmzooError(f"{cfg_path} is not valid JSON ({e})") from None
+    archs = raw.get("architectures") or []
+    if not archs:
+        raise MmzooError(f"{cfg_path} names no architectures")
+    try:
+        config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+    except (ValueError, KeyError) as e:
+        raise MmzooError(f"{cfg_path}: transformers cannot read this config ({str(e).splitlines()[0]})") from None
+    return config, archs[0]
+
+
+class Engine:
+    """A loaded model: processor + modules + executor. Build one with :func:`mmzoo.load`."""
+
+    def __init__(self, *, family, config, processor, model, executor: Executor, checkpoint: Path,
+                 eos_token_ids: list[int]):
+        self.family, self.config, self.processor = family, config, processor
+        self.model, self.executor, self.checkpoint = model, executor, checkpoint
+        self.eos_token_ids = eos_token_ids
+
+    def prepare(self, request: Request) -> Prepared:
+        return self.family.prepare(self.processor, self.config, request)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.processor.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def generate(self, prompt: str | Request | list[Request | dict], *, images: list | None = None,
+                 videos: list | None = None, max_new_tokens: int = 32, ignore_eos: bool = False,
+                 on_result=None) -> Result | list[Result]:
+        """Generate for one prompt (returns a :class:`Result`) or for many requests (returns a list).
+
+        A request that fails validation gets a result with ``error`` set; the others still run.
+        """
+        single = not isinstance(prompt, list)
+        if single:
+            reqs = [prompt if isinstance(prompt, Request) else
+                    Request(prompt=prompt, images=list(images or []), videos=list(videos or []),
+                            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, id=0)]
+        else:
+            reqs = [r if isinstance(r, Request) else Request(**{"id": i, **r}) for i, r in enumerate(prompt)]
+        prepared, failed = [], {}
+        for i, req in enumerate(reqs):
+            try:
+                prepared.append(self.prepare(req))
+            except MmzooError as e:
+                if single:
+                    raise
+                failed[i] = Result(id=req.id, prompt=req.prompt, error=str(e))
+                if on_result:
+                    on_result(failed[i])
+        ran = iter(self.executor.generate(prepared, decode_text=self.decode, on_result=on_result))
+        results = [failed[i] if i in failed else next(ran) for i in range(len(reqs))]
+        if single and results[0].error:
+            raise MmzooError(results[0].error)
+        return results[0] if single else results
+
+
+def _eos_ids(checkpoint: Path, config, tokenizer) -> list[int]:
+    from transformers import GenerationConfig
+
+    eos: Any = None
+    if (checkpoint / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(str(checkpoint), local_files_only=True).eos_token_id
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None) or tokenizer.eos_token_id
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+
+
+def load(checkpoint: str | Path | None = None, *, model: str | Any | None = None, executor: str | Executor = "xla",
+         attention: str | Any = "sdpa", dtype: str = "float32", verbose: bool = False, **executor_kwargs) -> Engine:
+    """Load a Hugging Face checkpoint directory into an :class:`Engine`.
+
+    Args:
+        checkpoint: the directory (config.json, safetensors weights, tokenizer and processor files);
+            None for the model family's embedded default.
+        model: a ``conf/model`` name (e.g. ``"qwen2_vl"``) or family object; None: from config.json.
+        executor: ``"xla"``, ``"eager"`` or an :class:`~mmzoo.executor.Executor`.
+        attention: ``"sdpa"``, ``"pallas"``, ``"eager"`` or a backend object.
+        dtype: ``"float32"`` or ``"bfloat16"``.
+        executor_kwargs: overrides of the executor config (``max_model_len=``, ``max_batch=``, ...).
+    """
+    from transformers import AutoProcessor
+
+    family = _registry.build_option("model", model) if isinstance(model, str) else model
+    if checkpoint is None:
+        if family is None:
+            raise MmzooError("give a checkpoint directory, or a model name to use its embedded default")
+        checkpoint = family.default_checkpoint()
+    checkpoint = Path(checkpoint)
+    config, arch = read_config(checkpoint)
+    if family is None:
+        family = _registry.family_for(arch)
+    elif arch not in family.architectures:
+        raise MmzooError(f"{checkpoint}/config.json is a {arch} checkpoint, which model={family.name} does not "
+                         f"support (it takes {', '.join(family.architectures)})")
+    attn = _registry.build_option("attention", attention) if isinstance(attention, str) else attention
+    exe = _registry.build_option("executor", executor, **executor_kwargs) if isinstance(executor, str) else executor
+    modules = family.build(config, attn)
+    weights = family.convert_weights(read_safetensors(checkpoint), config)
+    load_strict(modules, weights, source=str(checkpoint))
+    processor = AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True)
+    eos = _eos_ids(checkpoint, config, processor.tokenizer)
+    exe.setup(modules, dtype=dtype, eos_token_ids=eos)
+    return Engine(family=family, config=config, processor=processor, model=modules, executor=exe,
+                  checkpoint=checkpoint, eos_token_ids=eos)

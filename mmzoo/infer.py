@@ -1,0 +1,146 @@
+"""``python -m mmzoo.infer``: generate for one prompt or a file of requests.
+
+Examples::
+
+    python -m mmzoo.infer model=qwen2_vl checkpoint=DIR prompt='Describe this image.' \\
+        'images=[a.png,b.png]' max_new_tokens=16 executor=xla attention=sdpa output=out.jsonl
+    python -m mmzoo.infer checkpoint=DIR requests=reqs.jsonl output=out.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import fields
+from pathlib import Path
+
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from mmzoo._paths import ASSETS
+from mmzoo.errors import MmzooError
+from mmzoo.models._types import Request
+
+_REQUEST_FIELDS = {f.name for f in fields(Request)}
+
+
+def read_requests(path: str | Path, defaults: dict) -> list[Request | MmzooError]:
+    """One :class:`Request` per JSONL line; a bad line becomes an error for that line only."""
+    path = Path(path)
+    if not path.is_file():
+        raise MmzooError(f"requests file {path} does not exist")
+    out: list[Request | MmzooError] = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            out.append(MmzooError(f"{path}:{n}: not valid JSON ({e.msg})"))
+            continue
+        if not isinstance(obj, dict):
+            out.append(MmzooError(f"{path}:{n}: a request must be a JSON object, got {type(obj).__name__}"))
+            continue
+        unknown = sorted(set(obj) - _REQUEST_FIELDS)
+        if unknown:
+            out.append(MmzooError(f"{path}:{n}: unknown request fields {unknown}; known: {sorted(_REQUEST_FIELDS)}"))
+            continue
+        out.append(Request(**{**defaults, "id": n, **obj}))
+    return out
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+    """Write all rows to a temp file beside ``path``, then rename: never a partial file."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise MmzooError(f"output directory {path.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run(cfg: DictConfig) -> list[dict]:
+    """Build the pipeline from ``cfg``, run the requests, print and write the results."""
+    from mmzoo.engine import load
+
+    family = instantiate(cfg.model)
+    attention = instantiate(cfg.attention)
+    executor = instantiate(cfg.executor)
+    desc = executor.describe() if hasattr(executor, "describe") else executor.name
+    print(f"mmzoo: model={family.name} attention={attention.name} executor={desc} dtype={cfg.dtype}",
+          file=sys.stderr)
+    if cfg.output is not None and not Path(cfg.output).parent.is_dir():
+        raise MmzooError(f"output directory {Path(cfg.output).parent} does not exist")
+    images = cfg.images
+    if images is None:
+        images = [str(ASSETS / "sample.png")] if cfg.checkpoint is None else []
+        if images:
+            print(f"mmzoo: no images given; using the bundled sample image {images[0]}", file=sys.stderr)
+    defaults = {"max_new_tokens": int(cfg.max_new_tokens), "ignore_eos": bool(cfg.ignore_eos)}
+    if cfg.requests is not None:
+        requests = read_requests(cfg.requests, defaults)
+    else:
+        requests = [Request(prompt=str(cfg.prompt), images=[str(i) for i in images],
+                            videos=OmegaConf.to_container(cfg.videos) or [], id=0, **defaults)]
+    engine = load(cfg.checkpoint, model=family, executor=executor, attention=attention, dtype=cfg.dtype)
+    print(f"mmzoo: checkpoint {engine.checkpoint}", file=sys.stderr)
+
+    rows: dict[int, dict] = {}
+
+    def show(result) -> None:
+        if result.error:
+            print(f"error: request {result.id}: {result.error}", file=sys.stderr)
+        else:
+            print(result.text, flush=True)
+
+    valid = [r for r in requests if isinstance(r, Request)]
+    if cfg.requests is None:
+        results = [engine.generate(valid[0])]  # a bad single request raises: exit 1, nothing written
+        show(results[0])
+    else:
+        for bad in (r for r in requests if not isinstance(r, Request)):
+            print(f"error: {bad}", file=sys.stderr)
+        results = engine.generate(valid, on_result=show)
+    by_id = {id(r): res for r, res in zip(valid, results)}
+    out = []
+    for r in requests:
+        if isinstance(r, Request):
+            res = by_id[id(r)]
+            out.append({**res.to_json(), "images": [str(i) for i in r.images]})
+        else:
+            out.append({"error": str(r)})
+    if cfg.output is not None:
+        write_jsonl(cfg.output, out)
+        print(f"mmzoo: wrote {len(out)} results to {cfg.output}", file=sys.stderr)
+    if out and all("error" in row for row in out):
+        raise MmzooError("every request failed")
+    return out
+
+
+def cli(fn, cfg: DictConfig) -> None:
+    """Run ``fn(cfg)``; bad input is one ``error:`` line and exit status 1 (``debug=true``: traceback)."""
+    try:
+        fn(cfg)
+    except MmzooError as e:
+        if cfg.get("debug"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="infer")
+def main(cfg: DictConfig) -> None:
+    cli(run, cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""A preallocated, slot-based KV cache written in place (gpt-fast style, with vLLM-like slots).
+
+The cache holds ``[num_slots, kv_heads, max_len, head_dim]`` keys and values per layer. A slot
+holds one sequence; writing at explicit positions keeps every shape static, so one compiled
+graph serves every step. Attention layers see a *view* with ``update(layer_idx, k, v)``:
+
+* :class:`PrefillView` writes a prompt's keys into its slot and lets the prompt attend to itself.
+* :class:`DecodeView` writes one (or a few) new tokens per slot and attends over the whole row;
+  the causal rule with ``q_positions`` hides everything past each sequence's length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values for ``num_slots`` sequences of up to ``max_len`` tokens."""
+
+    def __init__(self, *, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots, self.max_len = num_slots, max_len
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor):
+        # k, v: [b, hkv, s, d]; slots [b]; positions [b, s] -> cache[slot, :, pos] = k
+        rows = slots.view(-1, 1).expand_as(positions)  # [b, s]
+        self.k[layer][rows, :, positions] = k.transpose(1, 2)  # advanced dims first: [b, s, hkv, d]
+        self.v[layer][rows, :, positions] = v.transpose(1, 2)
+
+    def prefill(self, slots: torch.Tensor, positions: torch.Tensor) -> "PrefillView":
+        """A view writing ``[b, s]`` prompt positions into ``slots [b]``."""
+        return PrefillView(self, slots, positions)
+
+    def decode(self, positions: torch.Tensor) -> "DecodeView":
+        """A view writing ``positions [num_slots, s]`` into every slot (one row per slot)."""
+        return DecodeView(self, positions)
+
+
+class PrefillView:
+    """Write a fresh prompt into its slots; attention uses the prompt's own keys."""
+
+    def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor):
+        self.cache, self.slots, self.positions = cache, slots, positions
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        self.cache._write(layer, k, v, self.slots, self.positions)
+        return k, v
+
+
+class DecodeView:
+    """Write new tokens of every slot and attend over the whole cache."""
+
+    def __init__(self, cache: KVCache, positions: torch.Tensor):
+        self.cache, self.positions = cache, positions
+        self.slots = torch.arange(cache.num_slots, device=positions.device)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        self.cache._write(layer, k, v, self.slots, self.positions)
+        return self.cache.k[layer], self.cache.v[layer]

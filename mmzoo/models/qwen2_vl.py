@@ -1,0 +1,235 @@
+"""Qwen2-VL: dynamic-resolution ViT + patch merger + Qwen2 decoder with M-RoPE.
+
+Wang et al., 2024, "Qwen2-VL: Enhancing Vision-Language Model's Perception of the World at Any
+Resolution" (arXiv:2409.12191). Checkpoints: ``Qwen2VLForConditionalGeneration``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mmzoo.adapters import PatchMerger
+from mmzoo.encoders import Qwen2VisionEncoder, frame_segments, patch_positions
+from mmzoo.errors import MmzooError
+from mmzoo._paths import cache_dir
+from mmzoo.layers import mrope
+from mmzoo.lms import DecoderLM
+from mmzoo.models._media import load_images, load_videos
+from mmzoo.models._types import Prepared, Request, TowerInput
+from mmzoo.models.composition import MultimodalLM, Tower
+
+
+# ---------------------------------------------------------------- component builders
+
+def qwen2_vl_vision_tower(*, in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int,
+                          depth: int, num_heads: int, mlp_ratio: float, act: str, merge_size: int,
+                          out_dim: int, attn_fn, rope_theta: float = 10000.0) -> Tower:
+    """Qwen2-VL's ViT and patch merger, mapping patches to ``out_dim``-wide LM embeddings."""
+    encoder = Qwen2VisionEncoder(in_channels=in_channels, temporal_patch_size=temporal_patch_size,
+                                 patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
+                                 mlp_ratio=mlp_ratio, act=act, attn_fn=attn_fn, rope_theta=rope_theta)
+    return Tower(encoder=encoder, adapter=PatchMerger(context_dim=embed_dim, out_dim=out_dim, merge_size=merge_size))
+
+
+def qwen2_lm(*, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int,
+             intermediate_dim: int, rope_theta: float, mrope_section: list[int] | None, norm_eps: float,
+             attn_fn, act: str = "silu", tie_word_embeddings: bool = False, head_dim: int | None = None) -> DecoderLM:
+    """The Qwen2 decoder (qkv bias, RMSNorm, SwiGLU), with M-RoPE when ``mrope_section`` is given."""
+    from mmzoo.layers import rope_1d
+
+    head_dim = head_dim or dim // num_heads
+    rotary = mrope(head_dim, rope_theta, list(mrope_section)) if mrope_section else rope_1d(head_dim, rope_theta)
+    return DecoderLM(vocab_size=vocab_size, dim=dim, num_layers=num_layers, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_dim=intermediate_dim,
+                     rotary=rotary, attn_fn=attn_fn, qkv_bias=True, norm_eps=norm_eps, act=act,
+                     tie_word_embeddings=tie_word_embeddings)
+
+
+# ---------------------------------------------------------------- M-RoPE positions
+
+def rope_index(input_ids: np.ndarray, grids: dict[int, np.ndarray], *, merge_size: int) -> tuple[np.ndarray, int]:
+    """Qwen2-VL's 3-axis (t, h, w) rotary positions for one sequence.
+
+    Text tokens advance all three axes together. The ``t*h*w/m^2`` placeholder tokens of an image
+    or video take ``start + (t, row, column)`` of its merged grid, and the text after it resumes
+    at ``start + max(h, w) / m`` (as transformers 5.x computes it).
+
+    Args:
+        input_ids: ``[s]`` token ids.
+        grids: placeholder token id -> ``[k, 3]`` grid_thw of its images (or videos) in prompt order.
+        merge_size: the spatial merge size.
+
+    Returns:
+        ``positions [3, s]`` and the decode-time delta (``position of cache index i = i + delta``).
+    """
+    s = len(input_ids)
+    pos = np.zeros((3, s), dtype=np.int64)
+    queues = {tok: [tuple(int(x) for x in g) for g in np.asarray(gr).reshape(-1, 3)] for tok, gr in grids.items()}
+    i, cur = 0, 0
+    while i < s:
+        queue = queues.get(int(input_ids[i]))
+        if queue:
+            t, h, w = queue.pop(0)
+            gh, gw = h // merge_size, w // merge_size
+            n = t * gh * gw
+            if not np.all(input_ids[i:i + n] == input_ids[i]):
+                raise MmzooError(f"prompt has fewer placeholder tokens at index {i} than grid_thw {[t, h, w]} needs ({n})")
+            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+            pos[:, i:i + n] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + cur
+            cur += max(h, w) // merge_size
+            i += n
+        else:
+            pos[:, i] = cur
+            cur += 1
+            i += 1
+    left = sum(len(q) for q in queues.values())
+    if left:
+        raise MmzooError(f"{left} image/video grids have no placeholder tokens left in the prompt")
+    delta = int(pos.max()) + 1 - s if s else 0
+    return pos, delta
+
+
+# ---------------------------------------------------------------- the family
+
+_HF_RENAMES = [  # (pattern, replacement) applied to checkpoint keys after the prefix is mapped
+    (r"\.self_attn\.", ".attn."),
+    (r"\.input_layernorm\.", ".norm1."),
+    (r"\.post_attention_layernorm\.", ".norm2."),
+    (r"\.attn\.proj\.", ".attn.o_proj."),
+]
+
+
+class Qwen2VL:
+    """The Qwen2-VL family: builds the modules from a transformers config, maps weights, prepares requests."""
+
+    name = "qwen2_vl"
+    architectures = ("Qwen2VLForConditionalGeneration",)
+    towers = ("vision",)
+
+    def default_checkpoint(self) -> Path:
+        """The embedded default: until a trained one ships, a small random-weight checkpoint built
+        locally (once, then cached)."""
+        from mmzoo.testing import make_tiny_qwen2_vl
+
+        path = cache_dir() / "qwen2_vl-random-v1"
+        if not (path / "config.json").is_file():
+            tmp = path.with_name(path.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            make_tiny_qwen2_vl(tmp, seed=0)
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        print("mmzoo: WARNING: the embedded default qwen2_vl checkpoint has RANDOM weights "
+              "(no trained checkpoint ships yet); its answers are meaningless", file=sys.stderr)
+        return path
+
+    def build(self, config, attn_fn) -> MultimodalLM:
+        """Modules sized by a ``Qwen2VLConfig`` (random weights until loaded)."""
+        tc, vc = config.text_config, config.vision_config
+        rope = dict(tc.rope_parameters or {})
+        vrope = dict(getattr(vc, "rope_parameters", None) or {})
+        lm = qwen2_lm(vocab_size=tc.vocab_size, dim=tc.hidden_size, num_layers=tc.num_hidden_layers,
+                      num_heads=tc.num_attention_heads, num_kv_heads=tc.num_key_value_heads,
+                      intermediate_dim=tc.intermediate_size, rope_theta=float(rope.get("rope_theta", 1e6)),
+                      mrope_section=rope.get("mrope_section", [16, 24, 24]), norm_eps=tc.rms_norm_eps,
+                      attn_fn=attn_fn, act=tc.hidden_act, tie_word_embeddings=bool(config.tie_word_embeddings),
+                      head_dim=getattr(tc, "head_dim", None))
+        vision = qwen2_vl_vision_tower(in_channels=vc.in_channels, temporal_patch_size=vc.temporal_patch_size,
+                                       patch_size=vc.patch_size, embed_dim=vc.embed_dim, depth=vc.depth,
+                                       num_heads=vc.num_heads, mlp_ratio=vc.mlp_ratio, act=vc.hidden_act,
+                                       merge_size=vc.spatial_merge_size, out_dim=vc.hidden_size,
+                                       attn_fn=attn_fn, rope_theta=float(vrope.get("rope_theta", 10000.0)))
+        if vc.hidden_size != tc.hidden_size:
+            raise MmzooError(f"config.json: vision_config.hidden_size={vc.hidden_size} differs from the LM's "
+                             f"hidden_size={tc.hidden_size}")
+        return MultimodalLM(lm=lm, towers={"vision": vision})
+
+    def convert_weights(self, hf: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+        """Map transformers' keys (v5 ``model.visual.* / model.language_model.*`` or the hub's older
+        ``visual.* / model.*``) onto mmzoo's module names; split the ViT's fused qkv."""
+        out: dict[str, torch.Tensor] = {}
+        for key, value in hf.items():
+            if key.startswith(("model.visual.merger.", "visual.merger.")):
+                new = "towers.vision.adapter." + key.split("merger.", 1)[1]
+            elif key.startswith(("model.visual.", "visual.")):
+                new = "towers.vision.encoder." + key.split("visual.", 1)[1]
+            elif key.startswith("model.language_model."):
+                new = "lm." + key[len("model.language_model."):]
+            elif key.startswith("lm_head."):
+                new = "lm." + key
+            elif key.startswith("model."):
+                new = "lm." + key[len("model."):]
+            else:
+                new = key  # reported as unexpected by the strict loader
+            for pattern, repl in _HF_RENAMES:
+                new = re.sub(pattern, repl, new)
+            m = re.match(r"(towers\.vision\.encoder\.blocks\.\d+\.attn\.)qkv\.(weight|bias)$", new)
+            if m:
+                for part, chunk in zip("qkv", value.chunk(3, dim=0)):
+                    out[f"{m.group(1)}{part}_proj.{m.group(2)}"] = chunk.contiguous()
+                continue
+            out[new] = value
+        if config.tie_word_embeddings:
+            out.pop("lm.lm_head.weight", None)
+        return out
+
+    def prepare(self, processor, config, request: Request) -> Prepared:
+        """Chat template, processor (resize, patchify, expand placeholders), positions, media rows."""
+        images = load_images(request.images)
+        videos = load_videos(request.videos)
+        content = ([{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
+                   + [{"type": "text", "text": request.prompt}])
+        text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+        kwargs = {}
+        if images:
+            kwargs["images"] = images
+        if videos:
+            kwargs["videos"] = videos
+        out = processor(text=[text], return_tensors="np", **kwargs)
+        input_ids = np.asarray(out["input_ids"][0], dtype=np.int64)
+        return self.prepare_ids(config, request, input_ids,
+                                image=(out.get("pixel_values"), out.get("image_grid_thw")),
+                                video=(out.get("pixel_values_videos"), out.get("video_grid_thw")))
+
+    def prepare_ids(self, config, request: Request, input_ids: np.ndarray, *, image=(None, None),
+                    video=(None, None)) -> Prepared:
+        """Positions and media rows for token ids whose placeholders are already expanded.
+
+        Images and videos go through the vision tower in one packed call (their frames are separate
+        attention segments, so packing changes nothing); image rows come first.
+        """
+        merge = config.vision_config.spatial_merge_size
+        mm_index = np.full(len(input_ids), -1, dtype=np.int64)
+        patches, grids, grid_by_token = [], [], {}
+        row = 0
+        for kind, token, (pixels, grid) in (("image", config.image_token_id, image),
+                                            ("video", config.video_token_id, video)):
+            grid = np.zeros((0, 3), np.int64) if grid is None else np.asarray(grid, np.int64).reshape(-1, 3)
+            n = int(grid.prod(axis=1).sum()) // (merge * merge)
+            where = np.flatnonzero(input_ids == token)
+            if len(where) != n:
+                raise MmzooError(f"prompt has {len(where)} {kind} placeholder tokens but the {kind}s' "
+                                 f"grid_thw {grid.tolist()} give {n} embeddings")
+            if n:
+                mm_index[where] = row + np.arange(n)
+                patches.append(np.asarray(pixels, dtype=np.float32))
+                grids.append(grid)
+                grid_by_token[token] = grid
+                row += n
+        positions, delta = rope_index(input_ids, grid_by_token, merge_size=merge)
+        media = []
+        if patches:
+            grid_all = np.concatenate(grids)
+            media.append(TowerInput(
+                tower="vision",
+                inputs={"patches": np.concatenate(patches), "patch_pos": patch_positions(grid_all, merge),
+                        "segment_ids": frame_segments(grid_all)},
+                num_embeds=row, row_multiple=merge * merge, pad={"segment_ids": -1}))
+        return Prepared(request=request, input_ids=input_ids, positions=positions, position_delta=delta,
+                        mm_index=mm_index, media=media)

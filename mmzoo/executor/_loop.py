@@ -127,9 +127,8 @@ class Executor:
             offset += emb.shape[0]
         return (chunks[0] if len(chunks) == 1 else torch.cat(chunks)), remap
 
-    @torch.no_grad()
-    def prefill(self, prepared: Prepared, slot: int) -> torch.Tensor:
-        """Encode media, run the prompt into ``slot`` of the cache and return the first token ``[1]``."""
+    def _prompt_arrays(self, prepared: Prepared):
+        """Token ids, positions and media rows padded to the prompt's bucket."""
         n = len(prepared.input_ids)
         s = self.prefill_len(n)
         ids = np.zeros(s, np.int64)
@@ -139,11 +138,26 @@ class Executor:
         mm_embeds, mm_index = self.encode(prepared)
         index = np.full(s, -1, np.int64)
         index[:n] = mm_index
+        return (self._tensor(ids[None]), self._tensor(pos[:, None]), mm_embeds,
+                self._tensor(index[None]) if mm_embeds is not None else None)
+
+    @torch.no_grad()
+    def prefill(self, prepared: Prepared, slot: int) -> torch.Tensor:
+        """Encode media, run the prompt into ``slot`` of the cache and return the first token ``[1]``."""
+        ids, pos, mm_embeds, mm_index = self._prompt_arrays(prepared)
+        s, n = ids.shape[1], len(prepared.input_ids)
         view = self.cache.prefill(self._tensor([slot]), self._tensor(np.arange(s)[None]))
-        logits = self.model(self._tensor(ids[None]), self._tensor(pos[:, None]),
-                            mm_embeds=mm_embeds, mm_index=self._tensor(index[None]) if mm_embeds is not None else None,
-                            cache=view, logits_index=self._tensor([n - 1]))
+        logits = self.model(ids, pos, mm_embeds=mm_embeds, mm_index=mm_index, cache=view,
+                            logits_index=self._tensor([n - 1]))
         return greedy(logits)
+
+    @torch.no_grad()
+    def prompt_logits(self, prepared: Prepared) -> np.ndarray:
+        """``[s, vocab]`` float32 logits at every prompt position (no cache; for scoring and tests)."""
+        ids, pos, mm_embeds, mm_index = self._prompt_arrays(prepared)
+        logits = self.model(ids, pos, mm_embeds=mm_embeds, mm_index=mm_index)
+        self.step_done()
+        return logits[0].cpu().numpy()[: len(prepared.input_ids)]
 
     @torch.no_grad()
     def decode(self, tokens: np.ndarray, write_pos: np.ndarray, rope_pos: np.ndarray) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -131,5 +132,9 @@ def load(checkpoint: str | Path | None = None, *, model: str | Any | None = None
     processor = AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True)
     eos = _eos_ids(checkpoint, config, processor.tokenizer)
     exe.setup(modules, dtype=dtype, eos_token_ids=eos)
+    if getattr(exe, "do_warmup", False):
+        secs = exe.warmup(lambda tower, rows: family.dummy_media(config, tower, rows))
+        if verbose:
+            print(f"mmzoo: warmup compiled {exe.compiled_graphs()} graphs in {secs:.1f} s", file=sys.stderr)
     return Engine(family=family, config=config, processor=processor, model=modules, executor=exe,
                   checkpoint=checkpoint, eos_token_ids=eos)

@@ -85,13 +85,16 @@ def run(cfg: DictConfig) -> list[dict]:
         images = [str(ASSETS / "sample.png")] if cfg.checkpoint is None else []
         if images:
             print(f"mmzoo: no images given; using the bundled sample image {images[0]}", file=sys.stderr)
-    defaults = {"max_new_tokens": int(cfg.max_new_tokens), "ignore_eos": bool(cfg.ignore_eos)}
+    defaults = {"max_new_tokens": int(cfg.max_new_tokens), "ignore_eos": bool(cfg.ignore_eos),
+                "temperature": float(cfg.temperature), "top_k": int(cfg.top_k), "top_p": float(cfg.top_p),
+                "seed": None if cfg.seed is None else int(cfg.seed)}
     if cfg.requests is not None:
         requests = read_requests(cfg.requests, defaults)
     else:
         requests = [Request(prompt=str(cfg.prompt), images=[str(i) for i in images],
                             videos=OmegaConf.to_container(cfg.videos) or [], id=0, **defaults)]
-    engine = load(cfg.checkpoint, model=family, executor=executor, attention=attention, dtype=cfg.dtype)
+    engine = load(cfg.checkpoint, model=family, executor=executor, attention=attention, dtype=cfg.dtype,
+                  verbose=True)
     print(f"mmzoo: checkpoint {engine.checkpoint}", file=sys.stderr)
 
     rows: dict[int, dict] = {}

@@ -17,6 +17,8 @@ from mmzoo.models._media import load_images
 PROMPTS = {0: "Tell me a story.", 1: "What shape is this?", 2: "Compare the two pictures."}
 EXECUTORS = ["eager", "xla"]
 BACKENDS = ["sdpa", "eager", "pallas"]
+# buckets sized for the tiny test images; graphs compile on first use here (warmup is tested elsewhere)
+XLA_SMALL = {"max_encoder_rows": 256, "progress": False, "warmup": False}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,8 @@ def reference(qwen2_vl_ckpt, image_files):
 @pytest.fixture(scope="module", params=[(e, b) for e in EXECUTORS for b in BACKENDS], ids=lambda p: f"{p[0]}-{p[1]}")
 def engine(request, qwen2_vl_ckpt):
     executor, attention = request.param
-    return mmzoo.load(qwen2_vl_ckpt, executor=executor, attention=attention, max_model_len=256)
+    return mmzoo.load(qwen2_vl_ckpt, executor=executor, attention=attention, max_model_len=256,
+                      **(XLA_SMALL if executor == "xla" else {}))
 
 
 @pytest.mark.parametrize("n_images", [0, 1, 2])
@@ -67,7 +70,8 @@ def test_greedy_tokens_match_transformers(engine, reference, image_files, n_imag
 
 def test_batched_requests_match_one_at_a_time(qwen2_vl_ckpt, reference, image_files):
     """Several requests of different image counts share the decode batch and still match."""
-    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_model_len=256, max_batch=2)
+    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_model_len=256, max_batch=2,
+                        **XLA_SMALL)
     reqs = [{"prompt": PROMPTS[n], "images": image_files[:n], "max_new_tokens": 16, "ignore_eos": True}
             for n in (2, 0, 1, 2)]
     results = engine.generate(reqs)

@@ -2,8 +2,16 @@
 
 The executor owns everything the modules do not know about: device placement, dtype, padding
 to static shapes, the KV cache in slots, the prefill/decode schedule (a finished sequence frees
-its slot for the next request) and sampling. Inputs are prepared on the host with numpy and
-moved once per step (vLLM's TPU runner does the same).
+its slot for the next request: continuous batching) and sampling. Inputs are prepared on the
+host with numpy and moved once per step (as vLLM's TPU runner does).
+
+Three kinds of device step, each a fixed set of shapes on XLA:
+
+* **encode** (per tower and input-row bucket): run a tower and write its embeddings into a
+  persistent media buffer at an offset, so the prompt graph never depends on media sizes;
+* **prefill** (per prompt bucket): merge token and media embeddings, fill one KV-cache slot,
+  sample the first token;
+* **decode** (one shape): one token for every slot, then sampling.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import torch
 
 from mmzoo.errors import MmzooError
 from mmzoo.executor._buckets import round_up
-from mmzoo.executor._sampling import greedy
+from mmzoo.executor._sampling import greedy, sample
 from mmzoo.lms import KVCache
 from mmzoo.models._types import Prepared
 
@@ -37,10 +45,15 @@ class Result:
     finish_reason: str = ""
     ttft_s: float = 0.0
     latency_s: float = 0.0
+    token_times_s: list[float] = field(default_factory=list, repr=False)  # arrival of each token
+    graphs_compiled_after_warmup: int = 0
     error: str | None = None
 
     def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if not (k == "error" and v is None)}
+        out = {k: v for k, v in self.__dict__.items() if k != "token_times_s"}
+        if out["error"] is None:
+            del out["error"]
+        return out
 
 
 @dataclass
@@ -50,6 +63,7 @@ class _Seq:
     slot: int
     length: int  # tokens in the cache
     index: int  # position in the request list
+    rng: np.random.Generator
     last: int = 0  # the newest token, not yet in the cache
 
 
@@ -59,17 +73,18 @@ class Executor:
     Args:
         max_model_len: prompt plus generated tokens, the KV cache length per slot.
         max_batch: KV-cache slots, i.e. sequences decoded together.
+        progress: show a progress bar over requests.
     """
 
     name = "?"
 
-    def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4):
+    def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, progress: bool = False):
         if max_model_len <= 0 or max_batch <= 0:
             raise ValueError(f"max_model_len={max_model_len} and max_batch={max_batch} must be positive")
-        self.max_model_len, self.max_batch = max_model_len, max_batch
+        self.max_model_len, self.max_batch, self.progress = max_model_len, max_batch, progress
         self.model = None
 
-    # -- hooks the two executors fill in -------------------------------------------------
+    # -- what the two executors differ in ------------------------------------------------
     def device(self) -> torch.device:
         raise NotImplementedError
 
@@ -78,15 +93,25 @@ class Executor:
         return n
 
     def encoder_rows(self, tower: str, n: int) -> int:
-        """The padded row count for ``n`` input rows of ``tower``."""
+        """The padded input-row count for ``n`` input rows of ``tower``."""
         return n
 
+    def max_media_rows(self) -> int:
+        """Rows of the media buffer: every placeholder of the longest prompt, plus padding room."""
+        return self.max_model_len
+
     def step_done(self) -> None:
-        """Called after each prefill and decode step (XLA cuts and runs the graph here)."""
+        """Called after each device step (XLA cuts and runs the graph here)."""
+
+    def graphs_since_warmup(self) -> int:
+        return 0
+
+    def describe(self) -> str:
+        return self.name
 
     # -- setup ---------------------------------------------------------------------------
     def setup(self, model, *, dtype: str = "float32", eos_token_ids=()) -> None:
-        """Place ``model`` on the device in ``dtype`` and allocate the KV cache."""
+        """Place ``model`` on the device in ``dtype``; allocate the KV cache and the media buffer."""
         if dtype not in DTYPES:
             raise MmzooError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
         self.dtype = DTYPES[dtype]
@@ -98,83 +123,119 @@ class Executor:
         lm = model.lm
         self.cache = KVCache(num_layers=lm.num_layers, num_slots=self.max_batch, num_kv_heads=lm.num_kv_heads,
                              max_len=self.max_model_len, head_dim=lm.head_dim, dtype=self.dtype, device=dev)
+        self.media = torch.zeros(self.max_media_rows(), lm.dim, dtype=self.dtype, device=dev)
         self.eos = set(int(e) for e in eos_token_ids)
+        self.step_done()  # materialize weights and buffers, so no step graph contains their creation
 
-    # -- the device steps ----------------------------------------------------------------
     def _tensor(self, array, dtype=None) -> torch.Tensor:
         return torch.as_tensor(np.ascontiguousarray(array), dtype=dtype).to(self.device())
 
+    # -- device steps --------------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, prepared: Prepared) -> tuple[torch.Tensor | None, np.ndarray]:
-        """Run every tower of a request; returns padded embeddings and the remapped ``mm_index``."""
-        if not prepared.media:
-            return None, prepared.mm_index
-        chunks, remap, offset, start = [], prepared.mm_index.copy(), 0, 0
-        for item in prepared.media:
+    def encode_into_buffer(self, item, offset: int) -> int:
+        """Run one tower (or take its precomputed embeddings) and write rows at ``offset`` of the
+        media buffer; returns the number of rows written (real and padding)."""
+        if item.embeds is not None:
+            emb = torch.as_tensor(item.embeds)
+            rows = self.encoder_rows(item.tower + ":embeds", emb.shape[0])
+            padded = torch.zeros(rows, emb.shape[1], dtype=self.dtype)
+            padded[: emb.shape[0]] = emb.to(self.dtype)
+            emb = padded.to(self.device())
+        else:
             rows = self.encoder_rows(item.tower, round_up(item.rows, item.row_multiple))
             inputs = {}
             for key, arr in item.inputs.items():
                 padded = np.full((rows,) + arr.shape[1:], item.pad.get(key, 0), dtype=arr.dtype)
                 padded[: arr.shape[0]] = arr
-                inputs[key] = self._tensor(padded, torch.float32 if arr.dtype.kind == "f" else torch.long)
-            if "patches" in inputs:
-                inputs["patches"] = inputs["patches"].to(self.dtype)
+                t = self._tensor(padded, torch.float32 if arr.dtype.kind == "f" else torch.long)
+                inputs[key] = t.to(self.dtype) if t.is_floating_point() else t
             emb = self.model.encode(item.tower, **inputs)  # [rows / row_multiple, dim]
-            sel = (prepared.mm_index >= start) & (prepared.mm_index < start + item.num_embeds)
-            remap[sel] = prepared.mm_index[sel] - start + offset
-            chunks.append(emb)
-            start += item.num_embeds
-            offset += emb.shape[0]
-        return (chunks[0] if len(chunks) == 1 else torch.cat(chunks)), remap
+        n = emb.shape[0]
+        if offset + n > self.media.shape[0]:
+            raise MmzooError(f"{item.tower} inputs need {offset + n} media rows; the buffer holds {self.media.shape[0]}")
+        idx = torch.arange(n, device=self.media.device) + self._tensor([offset])
+        self.media.index_copy_(0, idx, emb.to(self.dtype))
+        return n
 
     def _prompt_arrays(self, prepared: Prepared):
-        """Token ids, positions and media rows padded to the prompt's bucket."""
+        """Token ids, positions and media-buffer rows, padded to the prompt's bucket; runs the towers."""
         n = len(prepared.input_ids)
         s = self.prefill_len(n)
         ids = np.zeros(s, np.int64)
         ids[:n] = prepared.input_ids
         pos = np.zeros((prepared.positions.shape[0], s), np.int64)
         pos[:, :n] = prepared.positions
-        mm_embeds, mm_index = self.encode(prepared)
         index = np.full(s, -1, np.int64)
-        index[:n] = mm_index
-        return (self._tensor(ids[None]), self._tensor(pos[:, None]), mm_embeds,
-                self._tensor(index[None]) if mm_embeds is not None else None)
+        remap, start, offset = prepared.mm_index.copy(), 0, 0
+        for item in prepared.media:
+            written = self.encode_into_buffer(item, offset)
+            self.step_done()
+            sel = (prepared.mm_index >= start) & (prepared.mm_index < start + item.num_embeds)
+            remap[sel] = prepared.mm_index[sel] - start + offset
+            start += item.num_embeds
+            offset += written
+        index[:n] = remap
+        return self._tensor(ids[None]), self._tensor(pos[:, None]), self._tensor(index[None])
+
+    def _sampling_arrays(self, seqs: list[tuple[int, Any]], rows: int):
+        """Per-row sampling parameters and one uniform draw per sampled row."""
+        temp = np.zeros(rows, np.float32)
+        top_k = np.zeros(rows, np.int64)
+        top_p = np.ones(rows, np.float32)
+        u = np.zeros(rows, np.float32)
+        for row, seq in seqs:
+            r = seq.prepared.request
+            temp[row], top_k[row], top_p[row] = r.temperature, r.top_k, r.top_p
+            if r.temperature > 0:
+                u[row] = seq.rng.random()
+        return [self._tensor(a) for a in (temp, top_k, top_p, u)]
+
+    def _select(self, logits, seqs, rows) -> torch.Tensor:
+        if all(seq.prepared.request.temperature == 0 for _, seq in seqs):
+            return greedy(logits)
+        return sample(logits, *self._sampling_arrays(seqs, rows))
 
     @torch.no_grad()
-    def prefill(self, prepared: Prepared, slot: int) -> torch.Tensor:
-        """Encode media, run the prompt into ``slot`` of the cache and return the first token ``[1]``."""
-        ids, pos, mm_embeds, mm_index = self._prompt_arrays(prepared)
-        s, n = ids.shape[1], len(prepared.input_ids)
-        view = self.cache.prefill(self._tensor([slot]), self._tensor(np.arange(s)[None]))
-        logits = self.model(ids, pos, mm_embeds=mm_embeds, mm_index=mm_index, cache=view,
+    def prefill(self, seq: _Seq) -> torch.Tensor:
+        """Encode media, run the prompt into the sequence's cache slot, return the first token ``[1]``."""
+        ids, pos, index = self._prompt_arrays(seq.prepared)
+        s, n = ids.shape[1], len(seq.prepared.input_ids)
+        view = self.cache.prefill(self._tensor([seq.slot]), self._tensor(np.arange(s)[None]))
+        logits = self.model(ids, pos, mm_embeds=self.media, mm_index=index, cache=view,
                             logits_index=self._tensor([n - 1]))
-        return greedy(logits)
+        return self._select(logits, [(0, seq)], 1)
 
     @torch.no_grad()
     def prompt_logits(self, prepared: Prepared) -> np.ndarray:
         """``[s, vocab]`` float32 logits at every prompt position (no cache; for scoring and tests)."""
-        ids, pos, mm_embeds, mm_index = self._prompt_arrays(prepared)
-        logits = self.model(ids, pos, mm_embeds=mm_embeds, mm_index=mm_index)
+        ids, pos, index = self._prompt_arrays(prepared)
+        logits = self.model(ids, pos, mm_embeds=self.media, mm_index=index)
         self.step_done()
         return logits[0].cpu().numpy()[: len(prepared.input_ids)]
 
     @torch.no_grad()
-    def decode(self, tokens: np.ndarray, write_pos: np.ndarray, rope_pos: np.ndarray) -> torch.Tensor:
-        """One token for every slot: ``tokens, write_pos, rope_pos [slots]`` -> next tokens ``[slots]``."""
+    def decode(self, active: dict[int, _Seq]) -> torch.Tensor:
+        """One token for every slot (empty slots compute garbage that is ignored) -> ``[slots]``."""
+        b = self.max_batch
+        tokens, write, rope = np.zeros(b, np.int64), np.zeros(b, np.int64), np.zeros(b, np.int64)
+        for slot, seq in active.items():
+            tokens[slot], write[slot] = seq.last, seq.length
+            rope[slot] = seq.length + seq.prepared.position_delta
         axes = self.model.lm.rotary.num_axes
-        wp = self._tensor(write_pos[:, None])  # [B, 1]
-        view = self.cache.decode(wp)
-        logits = self.model(self._tensor(tokens[:, None]), self._tensor(np.broadcast_to(rope_pos[None, :, None], (axes, len(rope_pos), 1))),
-                            cache=view, attn_kwargs={"q_positions": wp}, logits_index=self._tensor(np.zeros(len(tokens), np.int64)))
-        return greedy(logits)
+        wp = self._tensor(write[:, None])  # [B, 1]
+        logits = self.model(self._tensor(tokens[:, None]),
+                            self._tensor(np.broadcast_to(rope[None, :, None], (axes, b, 1))),
+                            cache=self.cache.decode(wp), attn_kwargs={"q_positions": wp},
+                            logits_index=self._tensor(np.zeros(b, np.int64)))
+        return self._select(logits, list(active.items()), b)
 
     # -- the schedule --------------------------------------------------------------------
     def generate(self, prepared: list[Prepared], *, decode_text: Callable[[list[int]], str],
                  on_result: Callable[[Result], None] | None = None) -> list[Result]:
         """Generate for every request, ``max_batch`` at a time, refilling slots as sequences finish.
 
-        Results come back in request order; ``on_result`` is called as each one finishes.
+        Results come back in request order; ``on_result`` is called as each one finishes. A request
+        that cannot run (too long, bad parameters) gets a result with ``error`` and the rest go on.
         """
         if self.model is None:
             raise RuntimeError("call setup(model) before generate()")
@@ -182,25 +243,30 @@ class Executor:
         results: list[Result | None] = [None] * len(prepared)
         pending = deque(range(len(prepared)))
         active: dict[int, _Seq] = {}
+        bar = _Progress(len(prepared)) if self.progress else None
 
         def done(i: int, r: Result) -> None:
             r.latency_s = time.perf_counter() - t0
+            r.graphs_compiled_after_warmup = self.graphs_since_warmup()
             results[i] = r
+            if bar:
+                bar.update(r)
             if on_result:
                 on_result(r)
 
         def emit(seq: _Seq, token: int) -> None:
-            req = seq.prepared.request
-            seq.result.token_ids.append(token)
+            req, res = seq.prepared.request, seq.result
+            res.token_ids.append(token)
+            res.token_times_s.append(time.perf_counter() - t0)
             seq.last = token
-            reason = ("stop" if token in self.eos and not req.ignore_eos else
-                      "length" if len(seq.result.token_ids) >= req.max_new_tokens else
+            reason = ("stop" if (token in self.eos and not req.ignore_eos) or token in req.stop_token_ids else
+                      "length" if len(res.token_ids) >= req.max_new_tokens else
                       "max_model_len" if seq.length >= self.max_model_len else None)
             if reason:
-                seq.result.finish_reason = reason
-                seq.result.text = decode_text(seq.result.token_ids)
+                res.finish_reason = reason
+                res.text = decode_text(res.token_ids)
                 del active[seq.slot]
-                done(seq.index, seq.result)
+                done(seq.index, res)
 
         while pending or active:
             for slot in range(self.max_batch):
@@ -211,32 +277,51 @@ class Executor:
                 req = p.request
                 result = Result(id=req.id, prompt=req.prompt, prompt_token_ids=[int(t) for t in p.input_ids])
                 n = len(p.input_ids)
-                if n + 1 > self.max_model_len:
-                    result.error = (f"prompt has {n} tokens; max_model_len={self.max_model_len} leaves no room "
-                                    f"to generate")
-                elif req.max_new_tokens <= 0:
-                    result.error = f"max_new_tokens={req.max_new_tokens} must be positive"
-                if result.error:
+                try:
+                    req.check()
+                    if n + 1 > self.max_model_len:
+                        raise MmzooError(f"prompt has {n} tokens; max_model_len={self.max_model_len} leaves no "
+                                         f"room to generate")
+                    seq = _Seq(prepared=p, result=result, slot=slot, length=n, index=i,
+                               rng=np.random.default_rng(req.seed))
+                    first = self.prefill(seq)
+                    self.step_done()
+                    token = int(first.cpu()[0])
+                except MmzooError as e:
+                    result.error = str(e)
                     done(i, result)
                     continue
-                first = self.prefill(p, slot)
-                self.step_done()
-                token = int(first.cpu()[0])
                 result.ttft_s = time.perf_counter() - t0
-                active[slot] = seq = _Seq(prepared=p, result=result, slot=slot, length=n, index=i)
+                active[slot] = seq
                 emit(seq, token)
             if not active:
                 continue
-            tokens = np.zeros(self.max_batch, np.int64)
-            write = np.zeros(self.max_batch, np.int64)
-            rope = np.zeros(self.max_batch, np.int64)
-            for slot, seq in active.items():
-                tokens[slot], write[slot] = seq.last, seq.length
-                rope[slot] = seq.length + seq.prepared.position_delta
-            nxt = self.decode(tokens, write, rope)
+            nxt = self.decode(active)
             self.step_done()
             nxt = nxt.cpu().numpy()
             for slot, seq in list(active.items()):
                 seq.length += 1
                 emit(seq, int(nxt[slot]))
+        if bar:
+            bar.close()
         return results
+
+
+class _Progress:
+    """Requests done, with input and output tokens per second."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="req", dynamic_ncols=True, leave=False)
+        self.t0, self.tok_in, self.tok_out = time.perf_counter(), 0, 0
+
+    def update(self, r: Result) -> None:
+        self.tok_in += len(r.prompt_token_ids)
+        self.tok_out += len(r.token_ids)
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"in {self.tok_in / dt:.0f} tok/s, out {self.tok_out / dt:.0f} tok/s")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,8 +1,10 @@
 """The XLA executor: torch_xla on the PJRT device (TPU where present, the CPU client here).
 
-Every step runs at a padded, bucketed shape so that XLA compiles a small, fixed set of graphs:
-prompts are padded to a prefill bucket and encoder inputs to an encoder bucket (padding rows
-carry their own attention segment, so they change nothing); decode always runs all slots.
+Every step runs at a padded, bucketed shape so that XLA compiles a small, fixed set of graphs,
+all of them at warmup: each tower at each input-row bucket (padding rows carry their own
+attention segment, so they change nothing), the prompt at each prefill bucket, and one decode
+step, each with greedy and sampling heads. After warmup a compile guard watches torch_xla's
+compilation counter.
 """
 
 from __future__ import annotations
@@ -10,11 +12,22 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
+import warnings
 
+import numpy as np
 import torch
 
+from mmzoo.errors import MmzooError
 from mmzoo.executor._buckets import doubling, pick
-from mmzoo.executor._loop import Executor
+from mmzoo.executor._loop import Executor, _Seq
+from mmzoo.models._types import Prepared, Request
+
+_CACHE_DIR: str | None = None
+
+
+class RecompileError(RuntimeError):
+    """A graph was compiled after warmup while ``on_recompile=error``."""
 
 
 def ensure_pjrt_device() -> str:
@@ -30,40 +43,63 @@ class XLAExecutor(Executor):
     Args:
         max_model_len: KV-cache length per slot; the largest prefill bucket.
         max_batch: decode slots.
-        prefill_buckets: padded prompt lengths; default doubling from ``min_prefill`` to ``max_model_len``.
-        min_prefill: the smallest prefill bucket.
-        encoder_buckets: tower name -> padded input row counts (for Qwen2-VL: patches per call).
-        min_encoder_rows, max_encoder_rows: default encoder buckets double between these.
+        prefill_buckets: padded prompt lengths; default: doubling from ``min_prefill`` to
+            ``max_model_len``, in steps of ``prefill_linear_step`` past ``prefill_linear_after``.
+        encoder_buckets: tower name -> padded input-row counts (Qwen2-VL: patches per call);
+            default: doubling from ``min_encoder_rows`` to ``max_encoder_rows``.
+        warmup: compile every graph in :meth:`warmup` when the engine is loaded.
+        on_recompile: ``error``, ``warn`` or ``ignore`` when a graph compiles after warmup.
+        compile_cache_dir: persistent XLA compilation cache (None: off).
+        progress: progress bars for warmup and generation.
     """
 
     name = "xla"
 
     def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, prefill_buckets: list[int] | None = None,
-                 min_prefill: int = 16, encoder_buckets: dict[str, list[int]] | None = None,
-                 min_encoder_rows: int = 64, max_encoder_rows: int = 16384):
-        super().__init__(max_model_len=max_model_len, max_batch=max_batch)
-        self.prefill_buckets = sorted(prefill_buckets) if prefill_buckets else doubling(min(min_prefill, max_model_len), max_model_len)
+                 min_prefill: int = 16, prefill_linear_after: int | None = None, prefill_linear_step: int | None = None,
+                 encoder_buckets: dict[str, list[int]] | None = None, min_encoder_rows: int = 64,
+                 max_encoder_rows: int = 16384, warmup: bool = True, on_recompile: str = "warn",
+                 compile_cache_dir: str | None = None, progress: bool = False):
+        super().__init__(max_model_len=max_model_len, max_batch=max_batch, progress=progress)
+        if on_recompile not in ("error", "warn", "ignore"):
+            raise ValueError(f"on_recompile={on_recompile!r}: choose error, warn or ignore")
+        self.prefill_buckets = (sorted(int(b) for b in prefill_buckets) if prefill_buckets else
+                                doubling(min(min_prefill, max_model_len), max_model_len,
+                                         linear_after=prefill_linear_after, step=prefill_linear_step))
         if self.prefill_buckets[-1] > max_model_len:
             raise ValueError(f"prefill bucket {self.prefill_buckets[-1]} exceeds max_model_len={max_model_len}")
-        self.encoder_buckets = {k: sorted(v) for k, v in (encoder_buckets or {}).items()}
+        self.encoder_buckets = {k: sorted(int(x) for x in v) for k, v in (encoder_buckets or {}).items()}
         self.default_encoder_buckets = doubling(min_encoder_rows, max_encoder_rows)
+        self.do_warmup, self.on_recompile = warmup, on_recompile
+        self.warmup_s: float | None = None
+        self._baseline: int | None = None
+        self._seen = 0
         ensure_pjrt_device()
-        import torch_xla  # noqa: F401  (after PJRT_DEVICE is set)
+        if compile_cache_dir and os.environ["PJRT_DEVICE"] != "CPU":
+            # PJRT's CPU client cannot deserialize executables, so the cache only helps on TPU/GPU.
+            _init_cache(os.path.expanduser(str(compile_cache_dir)))
+        import torch_xla
 
         self._xla = torch_xla
 
+    # -- shapes ----------------------------------------------------------------------------
     def device(self) -> torch.device:
         return self._xla.device()
 
+    def tower_buckets(self, tower: str) -> list[int]:
+        return self.encoder_buckets.get(tower, self.default_encoder_buckets)
+
     def prefill_len(self, n: int) -> int:
-        return pick(self.prefill_buckets, n, "prompt length")
+        return pick(self.prefill_buckets, n, "prompt length (tokens)")
 
     def encoder_rows(self, tower: str, n: int) -> int:
-        return pick(self.encoder_buckets.get(tower, self.default_encoder_buckets), n, f"{tower} encoder input rows")
+        return pick(self.tower_buckets(tower), n, f"{tower} encoder input rows")
 
-    def step_done(self) -> None:
-        self._xla.sync()
+    def max_media_rows(self) -> int:
+        largest = max([self.default_encoder_buckets[-1]] + [b[-1] for b in self.encoder_buckets.values()])
+        return self.max_model_len + largest
 
+    # -- compile accounting ----------------------------------------------------------------
     @staticmethod
     def compiled_graphs() -> int:
         """Graphs XLA has compiled in this process so far."""
@@ -72,5 +108,73 @@ class XLAExecutor(Executor):
         data = met.metric_data("CompileTime")
         return int(data[0]) if data else 0
 
+    def graphs_since_warmup(self) -> int | None:
+        return None if self._baseline is None else self.compiled_graphs() - self._baseline
+
+    def step_done(self) -> None:
+        self._xla.sync()
+        if self._baseline is None:
+            return
+        count = self.compiled_graphs()
+        if count > self._seen:
+            new, self._seen = count - self._seen, count
+            msg = (f"mmzoo: {new} XLA graph(s) compiled after warmup ({count - self._baseline} in all): "
+                   f"a shape outside the warmed-up buckets")
+            if self.on_recompile == "error":
+                raise RecompileError(msg)
+            if self.on_recompile == "warn":
+                warnings.warn(msg, stacklevel=2)
+
     def describe(self) -> str:
         return f"xla (PJRT_DEVICE={os.environ.get('PJRT_DEVICE')}, device {self.device()})"
+
+    # -- warmup ----------------------------------------------------------------------------
+    def warmup(self, dummy_media=None) -> float:
+        """Compile every graph: each tower at each bucket, prefill at each bucket, decode; greedy and
+        sampling heads. ``dummy_media(tower, rows)`` gives a :class:`TowerInput` of that many rows.
+        Returns the seconds taken; afterwards the compile guard is armed."""
+        t0 = time.perf_counter()
+        towers = list(self.model.towers) if dummy_media is not None else []
+        plan = [("encode", t, r) for t in towers for r in self.tower_buckets(t)]
+        plan += [("prefill", None, s) for s in self.prefill_buckets] + [("decode", None, self.max_batch)]
+        steps = plan
+        if self.progress:
+            from tqdm import tqdm
+
+            steps = tqdm(plan, desc="mmzoo warmup", unit="graph", leave=False)
+        for kind, tower, size in steps:
+            if kind == "encode":
+                self.encode_into_buffer(dummy_media(tower, size), 0)
+                self.step_done()
+                continue
+            for temperature in (0.0, 1.0):
+                req = Request(max_new_tokens=1, temperature=temperature, seed=0)
+                ids = np.zeros(size if kind == "prefill" else 1, np.int64)
+                axes = self.model.lm.rotary.num_axes
+                p = Prepared(request=req, input_ids=ids, positions=np.zeros((axes, len(ids)), np.int64),
+                             position_delta=0, mm_index=np.full(len(ids), -1, np.int64))
+                seq = _Seq(prepared=p, result=None, slot=0, length=0, index=0, rng=np.random.default_rng(0))
+                out = self.prefill(seq) if kind == "prefill" else self.decode({0: seq})
+                self.step_done()
+                out.cpu()
+        self.warmup_s = time.perf_counter() - t0
+        self._baseline = self._seen = self.compiled_graphs()
+        return self.warmup_s
+
+
+def _init_cache(path: str) -> None:
+    """torch_xla's persistent compilation cache; must precede the first computation, once per process."""
+    global _CACHE_DIR
+    if _CACHE_DIR is not None:
+        if _CACHE_DIR != path:
+            print(f"mmzoo: XLA compilation cache already at {_CACHE_DIR}; ignoring {path}", file=sys.stderr)
+        return
+    import torch_xla.runtime as xr
+
+    os.makedirs(path, exist_ok=True)
+    try:
+        xr.initialize_cache(path, readonly=False)
+    except RuntimeError as e:  # a computation already ran in this process
+        print(f"mmzoo: XLA compilation cache not enabled ({e})", file=sys.stderr)
+        return
+    _CACHE_DIR = path

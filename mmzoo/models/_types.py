@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from mmzoo.errors import MmzooError
+
 
 @dataclass
 class Request:
@@ -17,7 +19,23 @@ class Request:
     videos: list[Any] = field(default_factory=list)  # paths, or lists of frames
     max_new_tokens: int = 32
     ignore_eos: bool = False
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0  # 1: no nucleus cut
+    seed: int | None = None  # per-request sampling seed
+    stop_token_ids: list[int] = field(default_factory=list)  # stop (inclusive) at any of these, besides EOS
     id: Any = None
+
+    def check(self) -> None:
+        """Raise :class:`MmzooError` naming the field for out-of-range sampling parameters."""
+        if self.max_new_tokens <= 0:
+            raise MmzooError(f"max_new_tokens={self.max_new_tokens} must be positive")
+        if self.temperature < 0:
+            raise MmzooError(f"temperature={self.temperature} must be >= 0")
+        if self.top_k < 0:
+            raise MmzooError(f"top_k={self.top_k} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise MmzooError(f"top_p={self.top_p} must be in (0, 1]")
 
 
 @dataclass
@@ -33,10 +51,11 @@ class TowerInput:
     num_embeds: int
     row_multiple: int = 1
     pad: dict[str, int] = field(default_factory=dict)
+    embeds: Any = None  # precomputed [num_embeds, dim] embeddings: the tower is not run
 
     @property
     def rows(self) -> int:
-        return next(iter(self.inputs.values())).shape[0]
+        return next(iter(self.inputs.values())).shape[0] if self.inputs else 0
 
 
 @dataclass

@@ -178,6 +178,16 @@ class Qwen2VL:
             out.pop("lm.lm_head.weight", None)
         return out
 
+    def dummy_media(self, config, tower: str, rows: int) -> TowerInput:
+        """Zero inputs of ``rows`` patches for compiling the tower at that bucket."""
+        vc = config.vision_config
+        merge = vc.spatial_merge_size
+        dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size * vc.patch_size
+        return TowerInput(tower=tower, inputs={"patches": np.zeros((rows, dim), np.float32),
+                                               "patch_pos": np.zeros((rows, 2), np.int64),
+                                               "segment_ids": np.zeros(rows, np.int64)},
+                          num_embeds=rows // (merge * merge), row_multiple=merge * merge, pad={"segment_ids": -1})
+
     def prepare(self, processor, config, request: Request) -> Prepared:
         """Chat template, processor (resize, patchify, expand placeholders), positions, media rows."""
         images = load_images(request.images)

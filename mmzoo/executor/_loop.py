@@ -275,7 +275,8 @@ class Executor:
                 i = pending.popleft()
                 p = prepared[i]
                 req = p.request
-                result = Result(id=req.id, prompt=req.prompt, prompt_token_ids=[int(t) for t in p.input_ids])
+                result = Result(id=req.id, prompt=req.prompt, prompt_token_ids=(
+                    [] if req.inputs_embeds is not None else [int(t) for t in p.input_ids]))
                 n = len(p.input_ids)
                 try:
                     req.check()

@@ -25,6 +25,15 @@ class Request:
     seed: int | None = None  # per-request sampling seed
     stop_token_ids: list[int] = field(default_factory=list)  # stop (inclusive) at any of these, besides EOS
     id: Any = None
+    # -- other input modes (see README "Input modes") --
+    prompt_token_ids: list[int] | None = None  # the prompt already tokenized (no chat template applied)
+    image_embeds: Any = None  # [rows, hidden] (or a list of 2-D) precomputed image embeddings
+    image_grid_thw: Any = None  # [num_images, 3] with image_embeds (Qwen2-VL)
+    video_embeds: Any = None
+    video_grid_thw: Any = None
+    audio_embeds: Any = None
+    inputs_embeds: Any = None  # [s, hidden] embeddings of the whole prompt (soft prompts)
+    embeds: str | None = None  # an mmzoo.encode safetensors file supplying the *_embeds fields
 
     def check(self) -> None:
         """Raise :class:`MmzooError` naming the field for out-of-range sampling parameters."""

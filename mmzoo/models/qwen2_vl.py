@@ -20,6 +20,7 @@ from mmzoo.errors import MmzooError
 from mmzoo._paths import cache_dir
 from mmzoo.layers import mrope
 from mmzoo.lms import DecoderLM
+from mmzoo.models._embeds import as_embeds, as_grid
 from mmzoo.models._media import load_images, load_videos
 from mmzoo.models._types import Prepared, Request, TowerInput
 from mmzoo.models.composition import MultimodalLM, Tower
@@ -93,6 +94,29 @@ def rope_index(input_ids: np.ndarray, grids: dict[int, np.ndarray], *, merge_siz
         raise MmzooError(f"{left} image/video grids have no placeholder tokens left in the prompt")
     delta = int(pos.max()) + 1 - s if s else 0
     return pos, delta
+
+
+def expand_placeholders(ids: np.ndarray, tokens: dict[str, int], counts: dict[str, list[int]]) -> np.ndarray:
+    """Token ids with each item's placeholder expanded to its embedding count.
+
+    Already-expanded ids pass through; otherwise each run of placeholder tokens (one per item,
+    as in vLLM's token prompts) becomes ``counts[kind][i]`` tokens.
+    """
+    for kind, token in tokens.items():
+        want = counts.get(kind, [])
+        where = np.flatnonzero(ids == token)
+        if len(where) == sum(want):
+            continue
+        runs = np.split(where, np.flatnonzero(np.diff(where) != 1) + 1) if len(where) else []
+        if len(runs) != len(want):
+            raise MmzooError(f"prompt_token_ids has {len(runs)} {kind} placeholders but {len(want)} {kind}s are "
+                             f"given (grid_thw rows)")
+        out, last = [], 0
+        for run, n in zip(runs, want):
+            out += [ids[last:run[0]], np.full(n, token, np.int64)]
+            last = run[-1] + 1
+        ids = np.concatenate(out + [ids[last:]])
+    return ids
 
 
 # ---------------------------------------------------------------- the family
@@ -189,38 +213,82 @@ class Qwen2VL:
                           num_embeds=rows // (merge * merge), row_multiple=merge * merge, pad={"segment_ids": -1})
 
     def prepare(self, processor, config, request: Request) -> Prepared:
-        """Chat template, processor (resize, patchify, expand placeholders), positions, media rows."""
-        images = load_images(request.images)
-        videos = load_videos(request.videos)
-        content = ([{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
-                   + [{"type": "text", "text": request.prompt}])
-        text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
-        kwargs = {}
-        if images:
-            kwargs["images"] = images
-        if videos:
-            kwargs["videos"] = videos
-        out = processor(text=[text], return_tensors="np", **kwargs)
-        input_ids = np.asarray(out["input_ids"][0], dtype=np.int64)
-        return self.prepare_ids(config, request, input_ids,
-                                image=(out.get("pixel_values"), out.get("image_grid_thw")),
-                                video=(out.get("pixel_values_videos"), out.get("video_grid_thw")))
+        """One request -> token ids, M-RoPE positions and the media to encode (or precomputed).
 
-    def prepare_ids(self, config, request: Request, input_ids: np.ndarray, *, image=(None, None),
-                    video=(None, None)) -> Prepared:
+        Raw images/videos go through transformers' image/video processors (resize within
+        min/max pixels, patchify); ``image_embeds``/``video_embeds`` with their ``*_grid_thw`` skip
+        the tower; ``inputs_embeds`` replaces the whole prompt. The chat template renders one user
+        turn (images, videos, then the text) unless ``prompt_token_ids`` is given, and each
+        placeholder is expanded to its item's ``t*h*w/merge^2`` tokens, as the processor does.
+        """
+        tc, vc = config.text_config, config.vision_config
+        merge = vc.spatial_merge_size
+        if request.inputs_embeds is not None:
+            return self._prepare_inputs_embeds(request, hidden=tc.hidden_size)
+        kinds = {}
+        for kind, raw, emb_field, grid_field in (("image", request.images, "image_embeds", "image_grid_thw"),
+                                                 ("video", request.videos, "video_embeds", "video_grid_thw")):
+            emb, grid = getattr(request, emb_field), getattr(request, grid_field)
+            if emb is not None:
+                if raw:
+                    raise MmzooError(f"give {kind}s or {emb_field}, not both")
+                if grid is None:
+                    raise MmzooError(f"{emb_field} needs {grid_field} (Qwen2-VL places and positions each item by it)")
+                grid = as_grid(grid, grid_field)
+                emb = as_embeds(emb, emb_field, hidden=tc.hidden_size)
+                expected = int(grid.prod(axis=1).sum()) // (merge * merge)
+                if emb.shape[0] != expected:
+                    raise MmzooError(f"{emb_field} has {emb.shape[0]} rows but {grid_field} {grid.tolist()} implies "
+                                     f"{expected} (sum(t*h*w) / merge_size^2, merge_size={merge})")
+                kinds[kind] = (None, grid, emb)
+            elif grid is not None:
+                raise MmzooError(f"{grid_field} given without {emb_field}")
+            elif raw:
+                if kind == "image":
+                    out = processor.image_processor(images=load_images(raw), return_tensors="np")
+                    kinds[kind] = (out["pixel_values"], as_grid(out["image_grid_thw"], "image_grid_thw"), None)
+                else:
+                    out = processor.video_processor(videos=load_videos(raw), return_tensors="np")
+                    kinds[kind] = (out["pixel_values_videos"], as_grid(out["video_grid_thw"], "video_grid_thw"), None)
+        counts = {k: [int(n) for n in v[1].prod(axis=1) // (merge * merge)] for k, v in kinds.items()}
+        tokens = {"image": config.image_token_id, "video": config.video_token_id}
+        if request.prompt_token_ids is not None:
+            input_ids = expand_placeholders(np.asarray(request.prompt_token_ids, dtype=np.int64), tokens, counts)
+        else:
+            content = ([{"type": "image"} for _ in counts.get("image", [])]
+                       + [{"type": "video"} for _ in counts.get("video", [])]
+                       + [{"type": "text", "text": request.prompt}])
+            text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                 add_generation_prompt=True)
+            for kind, pad in (("image", processor.image_token), ("video", processor.video_token)):
+                pieces = text.split(pad)
+                text = pieces[0] + "".join(pad * n + rest for n, rest in zip(counts.get(kind, []), pieces[1:]))
+            input_ids = np.asarray(processor.tokenizer(text)["input_ids"], dtype=np.int64)
+        return self.prepare_ids(config, request, input_ids, image=kinds.get("image"), video=kinds.get("video"))
+
+    @staticmethod
+    def _prepare_inputs_embeds(request: Request, *, hidden: int) -> Prepared:
+        if request.images or request.videos or request.image_embeds is not None or request.video_embeds is not None:
+            raise MmzooError("inputs_embeds replaces the whole prompt; do not also give images, videos or *_embeds")
+        emb = as_embeds(request.inputs_embeds, "inputs_embeds", hidden=hidden)
+        s = emb.shape[0]
+        return Prepared(request=request, input_ids=np.zeros(s, np.int64), positions=np.tile(np.arange(s), (3, 1)),
+                        position_delta=0, mm_index=np.arange(s),
+                        media=[TowerInput(tower="inputs_embeds", inputs={}, num_embeds=s, embeds=emb)])
+
+    def prepare_ids(self, config, request: Request, input_ids: np.ndarray, *, image=None, video=None) -> Prepared:
         """Positions and media rows for token ids whose placeholders are already expanded.
 
-        Images and videos go through the vision tower in one packed call (their frames are separate
-        attention segments, so packing changes nothing); image rows come first.
+        ``image`` / ``video`` are ``(pixels, grid_thw, embeds)`` with either pixels or embeds set.
+        Raw images and videos go through the vision tower in one packed call (their frames are
+        separate attention segments, so packing changes nothing); image rows come first.
         """
         merge = config.vision_config.spatial_merge_size
         mm_index = np.full(len(input_ids), -1, dtype=np.int64)
-        patches, grids, grid_by_token = [], [], {}
+        grid_by_token, entries = {}, []
         row = 0
-        for kind, token, (pixels, grid) in (("image", config.image_token_id, image),
-                                            ("video", config.video_token_id, video)):
-            grid = np.zeros((0, 3), np.int64) if grid is None else np.asarray(grid, np.int64).reshape(-1, 3)
+        for kind, token, entry in (("image", config.image_token_id, image), ("video", config.video_token_id, video)):
+            pixels, grid, emb = entry if entry is not None else (None, np.zeros((0, 3), np.int64), None)
             n = int(grid.prod(axis=1).sum()) // (merge * merge)
             where = np.flatnonzero(input_ids == token)
             if len(where) != n:
@@ -228,18 +296,23 @@ class Qwen2VL:
                                  f"grid_thw {grid.tolist()} give {n} embeddings")
             if n:
                 mm_index[where] = row + np.arange(n)
-                patches.append(np.asarray(pixels, dtype=np.float32))
-                grids.append(grid)
                 grid_by_token[token] = grid
+                entries.append((pixels, grid, emb, n))
                 row += n
-        positions, delta = rope_index(input_ids, grid_by_token, merge_size=merge)
-        media = []
-        if patches:
-            grid_all = np.concatenate(grids)
-            media.append(TowerInput(
+
+        def tower_call(group):  # raw items packed into one call of the vision tower
+            grid_all = np.concatenate([g for _, g, _, _ in group])
+            return TowerInput(
                 tower="vision",
-                inputs={"patches": np.concatenate(patches), "patch_pos": patch_positions(grid_all, merge),
-                        "segment_ids": frame_segments(grid_all)},
-                num_embeds=row, row_multiple=merge * merge, pad={"segment_ids": -1}))
+                inputs={"patches": np.concatenate([np.asarray(p, np.float32) for p, _, _, _ in group]),
+                        "patch_pos": patch_positions(grid_all, merge), "segment_ids": frame_segments(grid_all)},
+                num_embeds=sum(n for *_, n in group), row_multiple=merge * merge, pad={"segment_ids": -1})
+
+        if entries and all(emb is None for _, _, emb, _ in entries):
+            media = [tower_call(entries)]
+        else:
+            media = [TowerInput(tower="vision", inputs={}, num_embeds=n, embeds=emb) if emb is not None
+                     else tower_call([(p, g, emb, n)]) for p, g, emb, n in entries]
+        positions, delta = rope_index(input_ids, grid_by_token, merge_size=merge)
         return Prepared(request=request, input_ids=input_ids, positions=positions, position_delta=delta,
                         mm_index=mm_index, media=media)

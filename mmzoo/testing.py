@@ -64,14 +64,15 @@ def synthetic_corpus(seed: int = 0, num_lines: int = 600) -> list[str]:
 
     Args:
         seed: seeds the line generator; the same seed gives the same corpus.
-        num_lines: how many lines to generate (600 lines are about 25 KB).
+        num_lines: how many generated lines follow a few fixed ones (600 give about 33 KB).
 
     Returns:
         The corpus, one sentence or short question/answer pair per line.
     """
     rng = random.Random(seed)
-    lines = [DEFAULT_SYSTEM, "system user assistant", "You are a helpful assistant.", "The quick brown fox jumps over the lazy dog.",
-             "0 1 2 3 4 5 6 7 8 9 10 11 12 20 100", "Yes. No. Maybe, I think so!"]
+    lines = [DEFAULT_SYSTEM, "system user assistant", "You are a helpful assistant.",
+             "The quick brown fox jumps over the lazy dog.", "0 1 2 3 4 5 6 7 8 9 10 11 12 20 100",
+             "Yes. No. Maybe, I think so!"]
     for i in range(num_lines):
         fill = {"shape": rng.choice(_SHAPES), "color": rng.choice(_COLORS), "place": rng.choice(_PLACES)}
         kind = i % 5
@@ -154,9 +155,13 @@ def chat_template(default_system: str | None = DEFAULT_SYSTEM) -> str:
 
     Returns:
         The template source.
+
+    Raises:
+        ValueError: if ``default_system`` holds characters that would break the Jinja source.
     """
-    if default_system is not None and ("{" in default_system or "'" in default_system):
-        raise ValueError(f"default_system must not contain braces or quotes, got {default_system!r}")
+    if default_system is not None and any(c in default_system for c in "{}%'\\"):
+        raise ValueError(f"default_system is pasted into a Jinja string: no braces, %, quotes or backslashes, "
+                         f"got {default_system!r}")
     opening = ""
     if default_system is not None:
         opening = ("{%- if not messages or messages[0]['role'] != 'system' -%}"
@@ -192,8 +197,8 @@ def _reinit_(model: torch.nn.Module, *, seed: int, std: float) -> None:
 
     Weights get ``N(0, std)``; biases get ``N(0, std)`` too and norm scales ``1 + N(0, std)``, so
     that a loader that drops a bias or a norm weight changes the logits instead of passing unseen.
-    The draw does not depend on transformers' own init scheme, so a checkpoint is the same across
-    transformers versions for the same sizes and seed.
+    The draw does not depend on transformers' own init scheme, only on the parameter names and
+    shapes, so it stays put across transformers versions that keep the module names.
     """
     gen = torch.Generator().manual_seed(seed)
     norms = {id(m.weight) for m in model.modules()
@@ -353,7 +358,7 @@ def make_image(width: int, height: int, seed: int = 0) -> Image.Image:
         seed: selects the colors and rectangles.
 
     Returns:
-        A PIL ``RGB`` image of size ``(width, height)``; never constant.
+        A PIL ``RGB`` image of size ``(width, height)``; never one flat color (from 2 pixels up).
     """
     if width <= 0 or height <= 0:
         raise ValueError(f"image size {width}x{height} must be positive")
@@ -367,6 +372,5 @@ def make_image(width: int, height: int, seed: int = 0) -> Image.Image:
         x0, y0 = rng.integers(0, width), rng.integers(0, height)
         x1, y1 = x0 + rng.integers(1, max(2, width // 2)), y0 + rng.integers(1, max(2, height // 2))
         pixels[y0:y1, x0:x1] = rng.uniform(0, 255, size=3)
-    pixels[0, 0] = 0.0  # the image is never constant, even at 1x1
-    pixels.flat[-1] = 255.0
-    return Image.fromarray(np.clip(np.rint(pixels), 0, 255).astype(np.uint8), mode="RGB")
+    pixels[0, 0], pixels[-1, -1] = 0.0, 255.0  # first and last pixels differ: never one flat color
+    return Image.fromarray(np.clip(np.rint(pixels), 0, 255).astype(np.uint8))  # [h, w, 3] uint8: RGB

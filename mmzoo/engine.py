@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from mmzoo import _registry
+import torch
+
+from mmzoo import _embeds_file, _registry
+from mmzoo.executor._loop import DTYPES
+from mmzoo.models._embeds import cast_note
 from mmzoo._weights import load_strict, read_safetensors
 from mmzoo.errors import MmzooError
 from mmzoo.executor import Executor, Result
@@ -44,13 +49,70 @@ class Engine:
     """A loaded model: processor + modules + executor. Build one with :func:`mmzoo.load`."""
 
     def __init__(self, *, family, config, processor, model, executor: Executor, checkpoint: Path,
-                 eos_token_ids: list[int]):
+                 eos_token_ids: list[int], towers_fingerprint: str, dtype: str,
+                 allow_fingerprint_mismatch: bool = False):
         self.family, self.config, self.processor = family, config, processor
         self.model, self.executor, self.checkpoint = model, executor, checkpoint
         self.eos_token_ids = eos_token_ids
+        self.towers_fingerprint, self.dtype = towers_fingerprint, dtype
+        self.allow_fingerprint_mismatch = allow_fingerprint_mismatch
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.lm.dim
 
     def prepare(self, request: Request) -> Prepared:
+        """Validate and prepare one request on the host (nothing runs on the device)."""
+        if request.embeds is not None:
+            request = self._with_embeds_file(request)
+        run_dtype = DTYPES[self.dtype]
+        for name in ("image_embeds", "video_embeds", "audio_embeds", "inputs_embeds"):
+            value = getattr(request, name)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != run_dtype:
+                request = replace(request, **{name: cast_note(value, run_dtype, name)})
+        if not self.model.towers and (request.images or request.videos or getattr(request, "audios", None)):
+            raise MmzooError("this engine was loaded without its encoder towers (towers=False); raw media need them")
         return self.family.prepare(self.processor, self.config, request)
+
+    def _with_embeds_file(self, request: Request) -> Request:
+        tensors, meta = _embeds_file.read(request.embeds)
+        if meta.get("model") != self.family.name:
+            raise MmzooError(f"embeds file {request.embeds} was made by model={meta.get('model')}, not {self.family.name}")
+        if int(meta.get("lm_hidden_size", -1)) != self.hidden_size:
+            raise MmzooError(f"embeds file {request.embeds} has LM hidden size {meta.get('lm_hidden_size')} but this "
+                             f"LM's is {self.hidden_size}")
+        if meta.get("fingerprint") != self.towers_fingerprint:
+            msg = (f"embeds file {request.embeds} was made by encoder weights {meta.get('fingerprint')} "
+                   f"(checkpoint {meta.get('checkpoint')}), but {self.checkpoint} has {self.towers_fingerprint}")
+            if not self.allow_fingerprint_mismatch:
+                raise MmzooError(msg + "; pass allow_fingerprint_mismatch=true to use them anyway")
+            print(f"mmzoo: warning: {msg}", file=sys.stderr)
+        clash = [f for f in tensors if getattr(request, f) is not None]
+        if clash or (request.images and "image_embeds" in tensors) or (request.videos and "video_embeds" in tensors):
+            raise MmzooError(f"request gives both embeds={request.embeds} and {clash or 'raw media'} for the same inputs")
+        return replace(request, embeds=None, **tensors)
+
+    @torch.no_grad()
+    def encode(self, *, images: list | None = None, videos: list | None = None) -> dict[str, torch.Tensor]:
+        """Run only the towers: ``image_embeds`` (+ ``image_grid_thw``), ``video_embeds`` (+ grid)."""
+        out: dict[str, torch.Tensor] = {}
+        for kind, items in (("image", images), ("video", videos)):
+            if not items:
+                continue
+            req = Request(images=list(items)) if kind == "image" else Request(videos=list(items))
+            prepared = self.family.prepare(self.processor, self.config, req)
+            (item,) = prepared.media
+            out[f"{kind}_embeds"] = self.executor.encode_media(item)
+            if kind in prepared.grids:
+                out[f"{kind}_grid_thw"] = torch.as_tensor(prepared.grids[kind])
+        return out
+
+    def embeds_metadata(self) -> dict[str, str]:
+        from mmzoo import __version__
+
+        return {"model": self.family.name, "fingerprint": self.towers_fingerprint,
+                "lm_hidden_size": str(self.hidden_size), "dtype": self.dtype, "mmzoo_version": __version__,
+                "checkpoint": str(self.checkpoint)}
 
     def decode(self, token_ids: list[int]) -> str:
         return self.processor.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -98,7 +160,8 @@ def _eos_ids(checkpoint: Path, config, tokenizer) -> list[int]:
 
 
 def load(checkpoint: str | Path | None = None, *, model: str | Any | None = None, executor: str | Executor = "xla",
-         attention: str | Any = "sdpa", dtype: str = "float32", verbose: bool = False, **executor_kwargs) -> Engine:
+         attention: str | Any = "sdpa", dtype: str = "float32", towers: bool = True,
+         allow_fingerprint_mismatch: bool = False, verbose: bool = False, **executor_kwargs) -> Engine:
     """Load a Hugging Face checkpoint directory into an :class:`Engine`.
 
     Args:
@@ -108,6 +171,9 @@ def load(checkpoint: str | Path | None = None, *, model: str | Any | None = None
         executor: ``"xla"``, ``"eager"`` or an :class:`~mmzoo.executor.Executor`.
         attention: ``"sdpa"``, ``"pallas"``, ``"eager"`` or a backend object.
         dtype: ``"float32"`` or ``"bfloat16"``.
+        towers: build and load the encoder towers; False serves precomputed embeddings and text only
+            (the tower weights are only hashed, to check embeddings files against them).
+        allow_fingerprint_mismatch: accept embeddings files made by other encoder weights (warns).
         executor_kwargs: overrides of the executor config (``max_model_len=``, ``max_batch=``, ...).
     """
     from transformers import AutoProcessor
@@ -128,6 +194,11 @@ def load(checkpoint: str | Path | None = None, *, model: str | Any | None = None
     exe = _registry.build_option("executor", executor, **executor_kwargs) if isinstance(executor, str) else executor
     modules = family.build(config, attn)
     weights = family.convert_weights(read_safetensors(checkpoint), config)
+    tower_weights = {k: v for k, v in weights.items() if k.startswith("towers.")}
+    fingerprint = _embeds_file.fingerprint(tower_weights)
+    if not towers:
+        modules.towers = torch.nn.ModuleDict()
+        weights = {k: v for k, v in weights.items() if not k.startswith("towers.")}
     load_strict(modules, weights, source=str(checkpoint))
     processor = AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True)
     eos = _eos_ids(checkpoint, config, processor.tokenizer)
@@ -137,4 +208,5 @@ def load(checkpoint: str | Path | None = None, *, model: str | Any | None = None
         if verbose:
             print(f"mmzoo: warmup compiled {exe.compiled_graphs()} graphs in {secs:.1f} s", file=sys.stderr)
     return Engine(family=family, config=config, processor=processor, model=modules, executor=exe,
-                  checkpoint=checkpoint, eos_token_ids=eos)
+                  checkpoint=checkpoint, eos_token_ids=eos, towers_fingerprint=fingerprint, dtype=dtype,
+                  allow_fingerprint_mismatch=allow_fingerprint_mismatch)

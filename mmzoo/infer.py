@@ -82,7 +82,8 @@ def run(cfg: DictConfig) -> list[dict]:
         raise MmzooError(f"output directory {Path(cfg.output).parent} does not exist")
     images = cfg.images
     if images is None:
-        images = [str(ASSETS / "sample.png")] if cfg.checkpoint is None else []
+        embedded_demo = cfg.checkpoint is None and cfg.embeds is None and cfg.requests is None
+        images = [str(ASSETS / "sample.png")] if embedded_demo else []
         if images:
             print(f"mmzoo: no images given; using the bundled sample image {images[0]}", file=sys.stderr)
     defaults = {"max_new_tokens": int(cfg.max_new_tokens), "ignore_eos": bool(cfg.ignore_eos),
@@ -92,9 +93,13 @@ def run(cfg: DictConfig) -> list[dict]:
         requests = read_requests(cfg.requests, defaults)
     else:
         requests = [Request(prompt=str(cfg.prompt), images=[str(i) for i in images],
-                            videos=OmegaConf.to_container(cfg.videos) or [], id=0, **defaults)]
+                            videos=OmegaConf.to_container(cfg.videos) or [], embeds=cfg.embeds, id=0, **defaults)]
+    # towers are built only when some request has raw media: embeds-only and text-only runs skip them
+    towers = any(isinstance(r, Request) and (r.images or r.videos or getattr(r, "audios", None)) for r in requests)
     engine = load(cfg.checkpoint, model=family, executor=executor, attention=attention, dtype=cfg.dtype,
-                  verbose=True)
+                  towers=towers, allow_fingerprint_mismatch=bool(cfg.allow_fingerprint_mismatch), verbose=True)
+    if not towers:
+        print("mmzoo: no raw media in the requests; the encoder towers are not loaded", file=sys.stderr)
     print(f"mmzoo: checkpoint {engine.checkpoint}", file=sys.stderr)
 
     rows: dict[int, dict] = {}

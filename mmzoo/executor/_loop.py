@@ -137,7 +137,7 @@ class Executor:
         media buffer; returns the number of rows written (real and padding)."""
         if item.embeds is not None:
             emb = torch.as_tensor(item.embeds)
-            rows = self.encoder_rows(item.tower + ":embeds", emb.shape[0])
+            rows = self.encoder_rows("embeds", emb.shape[0])  # the buffer write depends only on rows
             padded = torch.zeros(rows, emb.shape[1], dtype=self.dtype)
             padded[: emb.shape[0]] = emb.to(self.dtype)
             emb = padded.to(self.device())
@@ -156,6 +156,16 @@ class Executor:
         idx = torch.arange(n, device=self.media.device) + self._tensor([offset])
         self.media.index_copy_(0, idx, emb.to(self.dtype))
         return n
+
+    @torch.no_grad()
+    def encode_media(self, item) -> torch.Tensor:
+        """Run one tower alone and return its ``[num_embeds, dim]`` embeddings on the host.
+
+        The whole media buffer comes back (a transfer, not a new graph), so no shape-dependent
+        slice is compiled."""
+        self.encode_into_buffer(item, 0)
+        self.step_done()
+        return self.media.cpu()[: item.num_embeds].clone()
 
     def _prompt_arrays(self, prepared: Prepared):
         """Token ids, positions and media-buffer rows, padded to the prompt's bucket; runs the towers."""

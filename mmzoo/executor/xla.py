@@ -21,7 +21,7 @@ import torch
 from mmzoo.errors import MmzooError
 from mmzoo.executor._buckets import doubling, pick
 from mmzoo.executor._loop import Executor, _Seq
-from mmzoo.models._types import Prepared, Request
+from mmzoo.models._types import Prepared, Request, TowerInput
 
 _CACHE_DIR: str | None = None
 
@@ -136,6 +136,7 @@ class XLAExecutor(Executor):
         t0 = time.perf_counter()
         towers = list(self.model.towers) if dummy_media is not None else []
         plan = [("encode", t, r) for t in towers for r in self.tower_buckets(t)]
+        plan += [("embeds", None, r) for r in self.default_encoder_buckets]  # precomputed-embeds writes
         plan += [("prefill", None, s) for s in self.prefill_buckets] + [("decode", None, self.max_batch)]
         steps = plan
         if self.progress:
@@ -143,8 +144,11 @@ class XLAExecutor(Executor):
 
             steps = tqdm(plan, desc="mmzoo warmup", unit="graph", leave=False)
         for kind, tower, size in steps:
-            if kind == "encode":
-                self.encode_into_buffer(dummy_media(tower, size), 0)
+            if kind in ("encode", "embeds"):
+                item = (dummy_media(tower, size) if kind == "encode" else
+                        TowerInput(tower="embeds", inputs={}, num_embeds=size,
+                                   embeds=torch.zeros(size, self.model.lm.dim)))
+                self.encode_into_buffer(item, 0)
                 self.step_done()
                 continue
             for temperature in (0.0, 1.0):

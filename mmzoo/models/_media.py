@@ -51,11 +51,25 @@ def load_videos(items: list[Any], field: str = "videos") -> list[list[Image.Imag
             path = Path(str(item))
             if not path.exists():
                 raise MmzooError(f"{name}: video {path} does not exist")
-            if not path.is_dir():
-                raise MmzooError(f"{name}: {path} is not a directory of frames (video files are not decoded; "
-                                 f"pass the frames as images in a directory or a list)")
-            frames = sorted(p for p in path.iterdir() if p.suffix.lower() in _FRAME_SUFFIXES)
+            if path.is_file() and path.suffix.lower() == ".gif":
+                frames = _gif_frames(path, name)
+            elif not path.is_dir():
+                raise MmzooError(f"{name}: {path} is neither a directory of frames nor a .gif (other video files "
+                                 f"need a decoder mmzoo does not install; pass the frames as images)")
+            else:
+                frames = sorted(p for p in path.iterdir() if p.suffix.lower() in _FRAME_SUFFIXES)
         if not frames:
             raise MmzooError(f"{name}: the video has no frames")
         videos.append([load_image(f, f"{name}[{j}]") for j, f in enumerate(frames)])
     return videos
+
+
+def _gif_frames(path: Path, field: str) -> list[Image.Image]:
+    """Every frame of an animated GIF (pillow reads it; no video decoder needed)."""
+    from PIL import ImageSequence
+
+    try:
+        with Image.open(path) as img:
+            return [frame.convert("RGB") for frame in ImageSequence.Iterator(img)]
+    except (UnidentifiedImageError, OSError) as e:
+        raise MmzooError(f"{field}: {path} is not a readable GIF ({e.__class__.__name__})") from None

@@ -81,3 +81,4 @@ class Prepared:
     position_delta: int  # rotary position of cache index i during decode: i + delta
     mm_index: np.ndarray  # [s] int64
     media: list[TowerInput] = field(default_factory=list)
+    grids: dict[str, np.ndarray] = field(default_factory=dict)  # "image"/"video" -> grid_thw (Qwen2-VL)

@@ -285,7 +285,7 @@ class Qwen2VL:
         """
         merge = config.vision_config.spatial_merge_size
         mm_index = np.full(len(input_ids), -1, dtype=np.int64)
-        grid_by_token, entries = {}, []
+        grid_by_token, grids, entries = {}, {}, []
         row = 0
         for kind, token, entry in (("image", config.image_token_id, image), ("video", config.video_token_id, video)):
             pixels, grid, emb = entry if entry is not None else (None, np.zeros((0, 3), np.int64), None)
@@ -297,6 +297,7 @@ class Qwen2VL:
             if n:
                 mm_index[where] = row + np.arange(n)
                 grid_by_token[token] = grid
+                grids[kind] = grid
                 entries.append((pixels, grid, emb, n))
                 row += n
 
@@ -315,4 +316,4 @@ class Qwen2VL:
                      else tower_call([(p, g, emb, n)]) for p, g, emb, n in entries]
         positions, delta = rope_index(input_ids, grid_by_token, merge_size=merge)
         return Prepared(request=request, input_ids=input_ids, positions=positions, position_delta=delta,
-                        mm_index=mm_index, media=media)
+                        mm_index=mm_index, media=media, grids=grids)

@@ -1,0 +1,54 @@
+"""``python -m mmzoo.encode``: encode images/videos once, for serving several LMs from the embeddings.
+
+Example::
+
+    python -m mmzoo.encode model=qwen2_vl checkpoint=DIR 'images=[a.png,b.png]' output=emb.safetensors
+    python -m mmzoo.infer model=qwen2_vl checkpoint=OTHER_LM embeds=emb.safetensors prompt='Compare them.'
+
+The file holds ``image_embeds [rows, hidden]`` and ``image_grid_thw [images, 3]`` (and the video
+pair), with metadata: the model family, a fingerprint of the encoder and adapter weights, the LM
+hidden size, the dtype, the mmzoo version and the checkpoint path.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from mmzoo import _embeds_file
+from mmzoo.errors import MmzooError
+from mmzoo.infer import cli
+
+
+def run(cfg: DictConfig) -> dict:
+    from mmzoo.engine import load
+
+    images, videos = list(cfg.images or []), OmegaConf.to_container(cfg.videos) or []
+    if not images and not videos:
+        raise MmzooError("nothing to encode: give images=[...] and/or videos=[...]")
+    family, attention, executor = instantiate(cfg.model), instantiate(cfg.attention), instantiate(cfg.executor)
+    print(f"mmzoo: encode model={family.name} attention={attention.name} executor={executor.describe()} "
+          f"dtype={cfg.dtype}", file=sys.stderr)
+    engine = load(cfg.checkpoint, model=family, executor=executor, attention=attention, dtype=cfg.dtype, verbose=True)
+    t0 = time.perf_counter()
+    tensors = engine.encode(images=[str(i) for i in images], videos=videos)
+    secs = time.perf_counter() - t0
+    meta = {**engine.embeds_metadata(), "images": str([str(i) for i in images]), "encode_s": f"{secs:.4f}"}
+    _embeds_file.write(cfg.output, tensors, meta)
+    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items())
+    print(f"mmzoo: encoded {len(images)} images, {len(videos)} videos in {secs:.3f} s -> {cfg.output} ({shapes})",
+          file=sys.stderr)
+    return {"tensors": tensors, "encode_s": secs}
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="encode")
+def main(cfg: DictConfig) -> None:
+    cli(run, cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -82,7 +82,8 @@ def run(cfg: DictConfig) -> list[dict]:
         raise MmzooError(f"output directory {Path(cfg.output).parent} does not exist")
     images = cfg.images
     if images is None:
-        embedded_demo = cfg.checkpoint is None and cfg.embeds is None and cfg.requests is None
+        embedded_demo = (cfg.checkpoint is None and cfg.embeds is None and cfg.requests is None
+                         and "vision" in getattr(family, "towers", ("vision",)))  # audio-only models: no sample image
         images = [str(ASSETS / "sample.png")] if embedded_demo else []
         if images:
             print(f"mmzoo: no images given; using the bundled sample image {images[0]}", file=sys.stderr)
@@ -93,7 +94,9 @@ def run(cfg: DictConfig) -> list[dict]:
         requests = read_requests(cfg.requests, defaults)
     else:
         requests = [Request(prompt=str(cfg.prompt), images=[str(i) for i in images],
-                            videos=OmegaConf.to_container(cfg.videos) or [], embeds=cfg.embeds, id=0, **defaults)]
+                            videos=OmegaConf.to_container(cfg.videos) or [],
+                            audios=[str(a) for a in OmegaConf.to_container(cfg.audios) or []],
+                            embeds=cfg.embeds, id=0, **defaults)]
     # towers are built only when some request has raw media: embeds-only and text-only runs skip them
     towers = any(isinstance(r, Request) and (r.images or r.videos or getattr(r, "audios", None)) for r in requests)
     engine = load(cfg.checkpoint, model=family, executor=executor, attention=attention, dtype=cfg.dtype,

@@ -186,3 +186,17 @@ def test_encode_cli_bad_image_writes_nothing(qwen2_vl_ckpt, tmp_path):
              cwd=tmp_path)
     assert p.returncode == 1 and "nope.png" in p.stderr and "Traceback" not in p.stderr
     assert not out.exists() and not list(tmp_path.glob(".emb*"))
+
+
+def test_encode_once_serve_many_recipe(tmp_path):
+    out = tmp_path / "answers.jsonl"
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "MMZOO_CACHE": str(tmp_path / "cache")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "recipes", "encode_once_serve_many.py"), "executor=eager",
+                        f"output={out}", "max_new_tokens=4"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and len({r["checkpoint"] for r in rows}) == 2
+    assert len({r["encode_s"] for r in rows}) == 1  # encoded once
+    assert p.stdout.count("encode:") == 1 and p.stdout.count("LM ") == 2

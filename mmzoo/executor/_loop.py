@@ -324,7 +324,7 @@ class _Progress:
     def __init__(self, total: int):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, unit="req", dynamic_ncols=True, leave=False)
+        self.bar = tqdm(total=total, unit="req", dynamic_ncols=True, leave=False, disable=None)  # off when not a tty
         self.t0, self.tok_in, self.tok_out = time.perf_counter(), 0, 0
 
     def update(self, r: Result) -> None:

@@ -142,7 +142,7 @@ class XLAExecutor(Executor):
         if self.progress:
             from tqdm import tqdm
 
-            steps = tqdm(plan, desc="mmzoo warmup", unit="graph", leave=False)
+            steps = tqdm(plan, desc="mmzoo warmup", unit="graph", leave=False, disable=None)
         for kind, tower, size in steps:
             if kind in ("encode", "embeds"):
                 item = (dummy_media(tower, size) if kind == "encode" else

@@ -17,6 +17,7 @@ class Request:
     prompt: str = ""
     images: list[Any] = field(default_factory=list)  # paths or PIL images
     videos: list[Any] = field(default_factory=list)  # paths, or lists of frames
+    audios: list[Any] = field(default_factory=list)  # paths, or 1-D float arrays at the feature extractor's rate
     max_new_tokens: int = 32
     ignore_eos: bool = False
     temperature: float = 0.0  # 0: greedy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import mmzoo
 from mmzoo.executor.xla import RecompileError
@@ -87,3 +88,17 @@ def test_guard_raises_on_a_new_shape(qwen2_vl_ckpt):
     engine.generate("hello", max_new_tokens=2)  # warmed-up shapes: fine
     with pytest.raises(RecompileError, match="after warmup"):
         engine.executor.prompt_logits(engine.prepare(mmzoo.Request(prompt="hello")))  # a graph warmup never built
+
+
+@pytest.mark.parametrize("executor", ["eager", "xla"])
+def test_bfloat16(qwen2_vl_ckpt, image_files, executor):
+    """bfloat16 weights and activations: logits stay close to float32 and generation runs."""
+    kw = dict(max_model_len=128, **({"encoder_buckets": {"vision": [64]}, "min_prefill": 64, "warmup": False,
+                                      "progress": False} if executor == "xla" else {}))
+    req = mmzoo.Request(prompt="What shape is this?", images=image_files[:1])
+    ref = mmzoo.load(qwen2_vl_ckpt, executor="eager", max_model_len=128)
+    bf = mmzoo.load(qwen2_vl_ckpt, executor=executor, dtype="bfloat16", **kw)
+    assert bf.executor.dtype == torch.bfloat16
+    a, b = ref.executor.prompt_logits(ref.prepare(req)), bf.executor.prompt_logits(bf.prepare(req))
+    assert abs(a - b).max() < 0.15 * abs(a).max()
+    assert len(bf.generate(req.prompt, images=req.images, max_new_tokens=4, ignore_eos=True).token_ids) == 4

@@ -79,3 +79,10 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
         return x
     b, h, s, d = x.shape
     return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+
+
+def checked_full_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the layouts, then repeat kv heads to the query heads (the dense backends' GQA)."""
+    check_inputs(q, k, v)
+    groups = q.shape[1] // k.shape[1]
+    return repeat_kv(k, groups), repeat_kv(v, groups)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmzoo.backends._base import AttentionBackend, check_inputs, repeat_kv, visibility_mask
+from mmzoo.backends._base import AttentionBackend, checked_full_kv, visibility_mask
 
 
 class EagerAttention(AttentionBackend):
@@ -14,11 +14,9 @@ class EagerAttention(AttentionBackend):
 
     def __call__(self, q, k, v, *, scale, causal=False, q_segment_ids=None, kv_segment_ids=None,
                  q_positions=None, kv_lengths=None):
-        check_inputs(q, k, v)
-        b, hq, sq, _ = q.shape
+        k, v = checked_full_kv(q, k, v)
+        b, _, sq, _ = q.shape
         skv = k.shape[2]
-        groups = hq // k.shape[1]
-        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [b, hq, sq, skv]
         mask = visibility_mask(b, sq, skv, q.device, causal=causal, q_segment_ids=q_segment_ids,
                                kv_segment_ids=kv_segment_ids, q_positions=q_positions,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mmzoo.backends._base import AttentionBackend, check_inputs, repeat_kv, visibility_mask
+from mmzoo.backends._base import AttentionBackend, checked_full_kv, visibility_mask
 
 
 class SDPAAttention(AttentionBackend):
@@ -15,11 +15,9 @@ class SDPAAttention(AttentionBackend):
 
     def __call__(self, q, k, v, *, scale, causal=False, q_segment_ids=None, kv_segment_ids=None,
                  q_positions=None, kv_lengths=None):
-        check_inputs(q, k, v)
-        b, hq, sq, _ = q.shape
+        k, v = checked_full_kv(q, k, v)
+        b, _, sq, _ = q.shape
         skv = k.shape[2]
-        groups = hq // k.shape[1]
-        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         only_causal = causal and sq == skv and q_positions is None and q_segment_ids is None \
             and kv_segment_ids is None and kv_lengths is None
         mask = None if only_causal else visibility_mask(

@@ -1,0 +1,56 @@
+"""End-to-end run of ``python -m mmzoo.bench`` on the smoke recipe: it completes and its JSON holds the figures.
+
+Checks the result's shape and the facts that do not depend on timing (every request finished with
+exactly its token count, the systems agree, nothing compiled after warmup); never the timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMS = ("mmzoo-xla", "mmzoo-eager", "transformers")
+METRICS = ("completed", "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
+           *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("mean", "median", "p99")),
+           "graphs_compiled_after_warmup")
+
+
+def test_smoke_recipe_writes_every_figure(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    p = subprocess.run([sys.executable, "-m", "mmzoo.bench", "--config-dir", str(ROOT / "recipes"),
+                        "--config-name", "bench_qwen2_vl_smoke", f"output={out}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "Serving benchmark" in p.stdout and "Targets:" in p.stdout
+    res = json.loads(out.read_text())
+    assert not list(tmp_path.glob(".bench.json*"))  # the temp file was renamed, not left behind
+
+    cfg = res["config"]["workload"]
+    n, new = cfg["num_requests"], cfg["max_new_tokens"]
+    assert set(res["systems"]) == set(SYSTEMS)
+    for name, m in res["systems"].items():
+        assert all(k in m for k in METRICS), (name, sorted(set(METRICS) - set(m)))
+        assert m["completed"] == n and m["total_output_tokens"] == n * new, (name, m)
+        assert 0 < m["median_ttft_ms"] and 0 < m["median_itl_ms"]
+    assert res["systems"]["mmzoo-xla"]["graphs_compiled_after_warmup"] == 0
+    assert res["agreement"]["mmzoo-eager"] == {"mmzoo-xla": n, "transformers": n}  # greedy fp32: same tokens
+
+    assert res["warmup"]["cold_s"] > 0 and res["warmup"]["warm_s"] > 0 and "note" in res["warmup"]
+    roof = res["roofline"]
+    assert roof["copy_bandwidth_GBps"] > 0 and roof["weight_bytes"] > 0 and roof["min_step_ms"] > 0
+    for name in SYSTEMS:
+        assert 0 < roof[name]["fraction"]
+    assert {(r["system"], r["batch"]) for r in res["batch_sweep"]} == {
+        (s, b) for b in res["config"]["sweep"]["batch_sizes"] for s in res["config"]["sweep"]["systems"]
+    } | {("transformers", 1)}
+    assert [r["image"] for r in res["image_sweep"]] == [f"{w}x{h}" for w, h in res["config"]["sweep"]["image_sizes"]]
+    assert all(r[s] > 0 for r in res["image_sweep"] for s in SYSTEMS)
+    assert res["decode_profile"]["graphs_compiled"] == 0 and res["decode_profile"]["step_ms"] > 0
+    names = [t["name"] for t in res["targets"]]
+    assert len(names) == 4 and all(t["pass"] in (True, False, None) for t in res["targets"])
+    assert res["targets"][-1]["pass"] is True  # 0 graphs compiled after warmup

@@ -193,8 +193,9 @@ def load(checkpoint: str | Path | None = None, *, model: str | Any | None = None
     attn = _registry.build_option("attention", attention) if isinstance(attention, str) else attention
     exe = _registry.build_option("executor", executor, **executor_kwargs) if isinstance(executor, str) else executor
     if hasattr(family, "encoder_buckets") and hasattr(exe, "encoder_buckets"):  # towers whose rows are whole items
-        for tower, sizes in family.encoder_buckets(config, exe.max_model_len).items():
-            exe.encoder_buckets.setdefault(tower, sorted(int(n) for n in sizes))  # the executor config wins
+        sizes = family.encoder_buckets(config, max_model_len=exe.max_model_len, max_media_rows=exe.max_media_rows())
+        for tower, buckets in sizes.items():
+            exe.encoder_buckets.setdefault(tower, sorted(int(n) for n in buckets))  # the executor config wins
     modules = family.build(config, attn)
     weights = family.convert_weights(read_safetensors(checkpoint), config)
     tower_weights = {k: v for k, v in weights.items() if k.startswith("towers.")}

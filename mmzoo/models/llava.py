@@ -131,7 +131,8 @@ def prepare_inputs_embeds(request: Request, *, hidden: int) -> Prepared:
 
 def refuse(request: Request, family: str, fields: tuple[str, ...]) -> None:
     """A clear error for inputs this family has no tower for."""
-    given = [f for f in fields if getattr(request, f) not in (None, [], ())]
+    given = [f for f in fields if getattr(request, f) is not None
+             and not (isinstance(getattr(request, f), (list, tuple)) and not getattr(request, f))]
     if given:
         raise MmzooError(f"model={family} does not take {', '.join(given)}")
 
@@ -257,10 +258,11 @@ class Llava:
             out.pop("lm.lm_head.weight", None)
         return out
 
-    def encoder_buckets(self, config, max_model_len: int) -> dict[str, list[int]]:
-        """XLA buckets of the vision tower, in images per call: doubling up to as many images as a
-        ``max_model_len`` prompt can hold."""
-        return {"vision": doubling(1, max(1, max_model_len // self.tokens_per_image(config)))}
+    def encoder_buckets(self, config, *, max_model_len: int, max_media_rows: int) -> dict[str, list[int]]:
+        """XLA buckets of the vision tower, in images per call (the executor's own buckets count input
+        rows of a packed tower): doubling up to as many images as a ``max_model_len`` prompt holds,
+        and as the executor's media buffer of ``max_media_rows`` embeddings takes."""
+        return {"vision": doubling(1, max(1, min(max_model_len, max_media_rows) // self.tokens_per_image(config)))}
 
     def dummy_media(self, config, tower: str, rows: int) -> TowerInput:
         """``rows`` blank images, for compiling the tower at that bucket."""

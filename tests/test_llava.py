@@ -1,0 +1,170 @@
+"""Llava: numerical parity with transformers' own model on a tiny random checkpoint, embeddings mode,
+bad input and the CLI.
+
+Prefill logits allclose (fp32, atol 1e-4) and greedy token ids identical for 16 new tokens (EOS
+disabled) on both executors and every attention backend in conf/attention/: 0, 1 and 3 images on
+the eager executor, 3 images on XLA (its tower pads them to a bucket of 4 images; one prompt keeps
+the XLA compiles, and the file, short).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+
+import mmzoo
+from mmzoo import _registry
+from mmzoo.errors import MmzooError
+from mmzoo.models import Llava
+from mmzoo.models._media import load_images
+from mmzoo.testing_zoo import make_tiny_llava
+
+PROMPT = "What shape is this?"
+COUNTS = {"eager": [0, 1, 3], "xla": [3]}
+EXECUTORS = ["eager", "xla"]
+BACKENDS = _registry.options("attention")
+# graphs compile on first use here; warmup with the family's buckets is tested in test_qwen2_audio.py
+XLA = {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2}
+GEN = {"max_new_tokens": 16, "ignore_eos": True}
+_ENGINES: dict = {}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_llava(tmp_path_factory.mktemp("ckpt") / "llava", seed=0)
+
+
+def hf_reference(ckpt, images, counts, prompt=PROMPT, new_tokens=16):
+    """transformers' prompt ids, prefill logits and greedy tokens (EOS disabled) per image count."""
+    processor = AutoProcessor.from_pretrained(ckpt)
+    model = LlavaForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    out = {}
+    for n in counts:
+        content = [{"type": "image"}] * n + [{"type": "text", "text": prompt}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+        inputs = processor(text=[text], images=load_images(images[:n]) or None, return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**inputs).logits[0].float().numpy()
+            gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        ids = inputs["input_ids"][0].tolist()
+        out[n] = {"ids": ids, "logits": logits, "tokens": gen[0, len(ids):].tolist()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt, image_files):
+    return hf_reference(ckpt, image_files, COUNTS["eager"])
+
+
+def get_engine(ckpt, executor: str, attention: str = "sdpa"):
+    """One engine per (executor, backend) for the whole module."""
+    key = (str(ckpt), executor, attention)
+    if key not in _ENGINES:
+        _ENGINES[key] = mmzoo.load(ckpt, executor=executor, attention=attention, max_model_len=256,
+                                   **(XLA if executor == "xla" else {}))
+    return _ENGINES[key]
+
+
+@pytest.fixture(scope="module")
+def eager(ckpt):
+    return get_engine(ckpt, "eager")
+
+
+@pytest.mark.parametrize("executor,attention,n_images",
+                         [(e, b, n) for e in EXECUTORS for b in BACKENDS for n in COUNTS[e]])
+def test_matches_transformers(ckpt, reference, image_files, executor, attention, n_images):
+    engine = get_engine(ckpt, executor, attention)
+    ref = reference[n_images]
+    prepared = engine.prepare(mmzoo.Request(prompt=PROMPT, images=image_files[:n_images]))
+    assert prepared.input_ids.tolist() == ref["ids"]
+    logits = engine.executor.prompt_logits(prepared)
+    np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=0)
+    result = engine.generate(mmzoo.Request(prompt=PROMPT, images=image_files[:n_images], **GEN))
+    assert result.prompt_token_ids == ref["ids"]
+    assert result.token_ids == ref["tokens"]
+    assert result.finish_reason == "length"
+
+
+def test_feature_layer_list_and_full_strategy(tmp_path, image_files):
+    """Two concatenated hidden layers (one negative, one positive) and the class token kept."""
+    ckpt = make_tiny_llava(tmp_path / "llava_full", seed=1, vision_feature_layer=[-3, 2],
+                           vision_feature_select_strategy="full", image_size=28)
+    ref = hf_reference(ckpt, image_files, [2], new_tokens=4)[2]
+    engine = mmzoo.load(ckpt, executor="eager")
+    assert len(engine.model.towers["vision"].encoder.blocks) == 2  # the third block feeds nothing
+    prepared = engine.prepare(mmzoo.Request(prompt=PROMPT, images=image_files[:2]))
+    assert prepared.input_ids.tolist() == ref["ids"]
+    np.testing.assert_allclose(engine.executor.prompt_logits(prepared), ref["logits"], atol=1e-4, rtol=0)
+
+
+def test_family_sizes_its_xla_buckets(ckpt):
+    config = AutoConfig.from_pretrained(ckpt)
+    assert Llava.tokens_per_image(config) == 16
+    assert Llava().encoder_buckets(config, max_model_len=256, max_media_rows=320) == {"vision": [1, 2, 4, 8, 16]}
+    assert Llava().encoder_buckets(config, max_model_len=1024, max_media_rows=80) == {"vision": [1, 2, 4, 5]}
+    engine = mmzoo.load(ckpt, executor="xla", max_model_len=64, progress=False, warmup=False,
+                        encoder_buckets={"vision": [2]})
+    assert engine.executor.encoder_buckets["vision"] == [2]  # the executor's config wins
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_image_embeds_match_raw_images(eager, ckpt, image_files, executor):
+    engine = get_engine(ckpt, executor)
+    emb = eager.encode(images=image_files[:3])["image_embeds"]
+    assert list(emb.shape) == [3 * 16, 64]
+    raw = engine.generate(mmzoo.Request(prompt=PROMPT, images=image_files[:3], **GEN))
+    via = engine.generate(mmzoo.Request(prompt=PROMPT, image_embeds=emb, **GEN))
+    assert via.token_ids == raw.token_ids and via.prompt_token_ids == raw.prompt_token_ids
+    per_image = engine.generate(mmzoo.Request(prompt=PROMPT, image_embeds=list(torch.split(emb, 16)), **GEN))
+    assert per_image.token_ids == raw.token_ids
+    # token ids with one placeholder per image are expanded as the processor would
+    pad = engine.config.image_token_id
+    ids = raw.prompt_token_ids
+    collapsed = [t for i, t in enumerate(ids) if t != pad or ids[i - 1] != pad]
+    assert engine.generate(mmzoo.Request(prompt_token_ids=collapsed, image_embeds=emb, **GEN)).token_ids == raw.token_ids
+
+
+def test_bad_input(eager, image_files, tmp_path):
+    garbage = tmp_path / "garbage.png"
+    garbage.write_bytes(b"not an image")
+    emb = torch.zeros(16, 64)
+    cases = [
+        (dict(images=[str(tmp_path / "missing.png")]), r"images\[0\]: image file .*missing.png does not exist"),
+        (dict(images=[image_files[0], str(garbage)]), r"images\[1\]: .*garbage.png is not a readable image"),
+        (dict(prompt="<image> what?", images=image_files[:1]), r"prompt contains the image placeholder '<image>'"),
+        (dict(prompt_token_ids=[5, 6, 7], images=image_files[:1]),
+         r"prompt_token_ids has 0 image placeholder runs .* but 1 images are given"),
+        (dict(image_embeds=torch.zeros(20, 64)), r"image_embeds has 20 rows, not a multiple of the 16 tokens per image"),
+        (dict(image_embeds=torch.zeros(16, 32)), r"image_embeds has hidden size 32 but the LM's hidden size is 64"),
+        (dict(image_embeds=emb, images=image_files[:1]), r"give images or image_embeds, not both"),
+        (dict(audios=["a.wav"]), r"model=llava does not take audios"),
+        (dict(videos=[image_files[:2]]), r"model=llava does not take videos"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(MmzooError, match=match):
+            eager.prepare(mmzoo.Request(**{"prompt": PROMPT, **kwargs}))
+    pad = eager.config.image_token_id
+    with pytest.raises(MmzooError, match=r"prompt_token_ids has 1 image placeholder runs .* but 2 images"):
+        eager.prepare(mmzoo.Request(prompt_token_ids=[5, pad, 6], images=image_files[:2]))
+
+
+def test_cli(ckpt, image_files, tmp_path):
+    out = tmp_path / "out.jsonl"
+    p = subprocess.run([sys.executable, "-m", "mmzoo.infer", "model=llava", f"checkpoint={ckpt}",
+                        f"images=[{image_files[0]},{image_files[1]}]", "prompt=Compare the two pictures.",
+                        "executor=eager", "max_new_tokens=5", "ignore_eos=true", f"output={out}"],
+                       cwd=tmp_path, env={**os.environ, "PJRT_DEVICE": "CPU"}, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "model=llava" in p.stderr
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(row["token_ids"]) == 5 and row["images"] == image_files[:2]

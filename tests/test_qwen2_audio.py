@@ -1,0 +1,182 @@
+"""Qwen2-Audio: numerical parity with transformers' own model on a tiny random checkpoint, embeddings
+mode, XLA warmup with the family's buckets, bad input and the CLI.
+
+Prefill logits allclose (fp32, atol 1e-4) and greedy token ids identical for 16 new tokens (EOS
+disabled) on both executors and every attention backend in conf/attention/: 0, 1 and 3 clips of
+different lengths (one written at 8 kHz, so librosa resamples it) on the eager executor, the 3
+clips on XLA (its tower pads them to a bucket of 4 clips; each clip's keys are masked to its length).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import librosa
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoProcessor, Qwen2AudioForConditionalGeneration
+
+import mmzoo
+from mmzoo import _registry
+from mmzoo.errors import MmzooError
+from mmzoo.models import Qwen2Audio
+from mmzoo.testing_zoo import make_audio, make_tiny_qwen2_audio, write_wav
+
+PROMPT = "What do you hear?"
+COUNTS = {"eager": [0, 1, 3], "xla": [3]}
+EXECUTORS = ["eager", "xla"]
+BACKENDS = _registry.options("attention")
+XLA = {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2}
+GEN = {"max_new_tokens": 16, "ignore_eos": True}
+_ENGINES: dict = {}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_qwen2_audio(tmp_path_factory.mktemp("ckpt") / "qwen2_audio", seed=0)
+
+
+@pytest.fixture(scope="module")
+def audio_files(tmp_path_factory):
+    """0.5 s and 1.3 s at 16 kHz, 0.8 s at 8 kHz (the window is 2 s)."""
+    root = tmp_path_factory.mktemp("audio")
+    return [str(write_wav(root / "a0.wav", make_audio(0.5, seed=0))),
+            str(write_wav(root / "a1.wav", make_audio(1.3, seed=1))),
+            str(write_wav(root / "a2.wav", make_audio(0.8, seed=2, sampling_rate=8000), 8000))]
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt, audio_files):
+    """transformers' prompt ids, prefill logits and 16 greedy tokens (EOS disabled) per clip count."""
+    processor = AutoProcessor.from_pretrained(ckpt)
+    model = Qwen2AudioForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    sr = processor.feature_extractor.sampling_rate
+    clips = [librosa.load(f, sr=sr)[0] for f in audio_files]
+    out = {}
+    for n in COUNTS["eager"]:
+        content = [{"type": "audio"}] * n + [{"type": "text", "text": PROMPT}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+        inputs = processor(text=[text], audio=clips[:n] or None, sampling_rate=sr, return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**inputs).logits[0].float().numpy()
+            gen = model.generate(**inputs, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        ids = inputs["input_ids"][0].tolist()
+        out[n] = {"ids": ids, "logits": logits, "tokens": gen[0, len(ids):].tolist()}
+    return out
+
+
+def get_engine(ckpt, executor: str, attention: str = "sdpa"):
+    key = (str(ckpt), executor, attention)
+    if key not in _ENGINES:
+        _ENGINES[key] = mmzoo.load(ckpt, executor=executor, attention=attention, max_model_len=256,
+                                   **(XLA if executor == "xla" else {}))
+    return _ENGINES[key]
+
+
+@pytest.fixture(scope="module")
+def eager(ckpt):
+    return get_engine(ckpt, "eager")
+
+
+@pytest.mark.parametrize("executor,attention,n_audios",
+                         [(e, b, n) for e in EXECUTORS for b in BACKENDS for n in COUNTS[e]])
+def test_matches_transformers(ckpt, reference, audio_files, executor, attention, n_audios):
+    engine = get_engine(ckpt, executor, attention)
+    ref = reference[n_audios]
+    prepared = engine.prepare(mmzoo.Request(prompt=PROMPT, audios=audio_files[:n_audios]))
+    assert prepared.input_ids.tolist() == ref["ids"]
+    logits = engine.executor.prompt_logits(prepared)
+    np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=0)
+    result = engine.generate(mmzoo.Request(prompt=PROMPT, audios=audio_files[:n_audios], **GEN))
+    assert result.prompt_token_ids == ref["ids"]
+    assert result.token_ids == ref["tokens"]
+
+
+def clip_embeds(engine, files) -> list[torch.Tensor]:
+    """Each clip's valid ``[tokens, hidden]`` embeddings, from one tower call."""
+    prepared = engine.prepare(mmzoo.Request(audios=files))
+    full = engine.executor.encode_media(prepared.media[0])  # [clips * per, hidden]
+    per = Qwen2Audio.tokens_per_clip(engine.config)
+    rows = prepared.mm_index[prepared.mm_index >= 0]
+    return [full[i * per: i * per + int(((rows >= i * per) & (rows < (i + 1) * per)).sum())] for i in range(len(files))]
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_audio_embeds_match_raw_audio(eager, ckpt, audio_files, executor):
+    engine = get_engine(ckpt, executor)
+    parts = clip_embeds(eager, audio_files)
+    assert [p.shape[0] for p in parts] == [12, 32, 20]  # ((L - 1) // 2 + 1) // 2 for L = 50, 130, 80 mel frames
+    raw = engine.generate(mmzoo.Request(prompt=PROMPT, audios=audio_files, **GEN))
+    via = engine.generate(mmzoo.Request(prompt=PROMPT, audio_embeds=parts, **GEN))
+    assert via.token_ids == raw.token_ids and via.prompt_token_ids == raw.prompt_token_ids
+    if executor == "eager":  # one 2-D array is one clip (on XLA this would only add compiles)
+        one = engine.generate(mmzoo.Request(prompt=PROMPT, audio_embeds=parts[1], **GEN))
+        assert one.token_ids == engine.generate(mmzoo.Request(prompt=PROMPT, audios=audio_files[1:2], **GEN)).token_ids
+    # token ids with one placeholder per clip are expanded to each clip's count
+    pad = engine.config.audio_token_id
+    ids = raw.prompt_token_ids
+    collapsed = [t for i, t in enumerate(ids) if t != pad or ids[i - 1] != pad]
+    for kw in ({"audios": audio_files}, {"audio_embeds": parts}):
+        assert engine.generate(mmzoo.Request(prompt_token_ids=collapsed, **kw, **GEN)).token_ids == raw.token_ids
+
+
+def test_xla_warmup_covers_every_clip_count(ckpt, audio_files):
+    """The family's buckets (clips per call) and dummy clips compile everything a real request runs."""
+    config = AutoConfig.from_pretrained(ckpt)
+    assert Qwen2Audio().encoder_buckets(config, max_model_len=1024, max_media_rows=17408) == {"audio": [1, 2, 4, 8, 16]}
+    engine = mmzoo.load(ckpt, executor="xla", max_model_len=160, prefill_buckets=[160], min_encoder_rows=64,
+                        max_encoder_rows=64, max_batch=2, progress=False, on_recompile="error")
+    assert engine.executor.tower_buckets("audio") == [1, 2, 4]  # 4 clips of 50 rows fill the 160 + 64 media rows
+    results = engine.generate([{"prompt": PROMPT, "audios": audio_files[:n], **GEN} for n in (3, 1)])
+    eager = get_engine(ckpt, "eager")
+    for n, r in zip((3, 1), results):
+        assert r.error is None and r.graphs_compiled_after_warmup == 0
+        assert r.token_ids == eager.generate(mmzoo.Request(prompt=PROMPT, audios=audio_files[:n], **GEN)).token_ids
+
+
+def test_bad_input(eager, audio_files, tmp_path):
+    garbage = tmp_path / "garbage.wav"
+    garbage.write_bytes(b"RIFF but not really a wave file")
+    empty = write_wav(tmp_path / "empty.wav", np.zeros(0, np.float32))
+    short = write_wav(tmp_path / "short.wav", make_audio(0.01))
+    cases = [
+        (dict(audios=[str(tmp_path / "missing.wav")]), r"audios\[0\]: audio file .*missing.wav does not exist"),
+        (dict(audios=[audio_files[0], str(garbage)]), r"audios\[1\]: .*garbage.wav is not a readable audio file"),
+        (dict(audios=[str(empty)]), r"audios\[0\]: .*empty.wav is empty \(no samples\)"),
+        (dict(audios=[audio_files[0], str(short)]), r"audios\[1\] is too short \(160 samples"),
+        (dict(audios=[np.zeros((2, 100), np.float32)]), r"audios\[0\]: an audio array must be 1-D float"),
+        (dict(prompt="<|AUDIO|> what?", audios=audio_files[:1]), r"prompt contains the audio placeholder"),
+        (dict(prompt_token_ids=[5, 6, 7], audios=audio_files[:1]),
+         r"prompt_token_ids has 0 audio placeholder runs .* but 1 audios are given"),
+        (dict(audio_embeds=[torch.zeros(4, 64), torch.zeros(4, 32)]),
+         r"audio_embeds\[1\] has hidden size 32 but the LM's hidden size is 64"),
+        (dict(audio_embeds=torch.zeros(2, 3, 64)), r"audio_embeds must be 2-D"),
+        (dict(audio_embeds=[torch.zeros(0, 64)]), r"audio_embeds\[0\] has no rows"),
+        (dict(audio_embeds=[torch.zeros(4, 64)], audios=audio_files[:1]), r"give audios or audio_embeds, not both"),
+        (dict(images=["a.png"]), r"model=qwen2_audio does not take images"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(MmzooError, match=match):
+            eager.prepare(mmzoo.Request(**{"prompt": PROMPT, **kwargs}))
+    pad = eager.config.audio_token_id
+    with pytest.raises(MmzooError, match=r"prompt_token_ids has 1 audio placeholder runs .* but 2 audios"):
+        eager.prepare(mmzoo.Request(prompt_token_ids=[5, pad, 6], audios=audio_files[:2]))
+
+
+def test_cli(ckpt, audio_files, tmp_path):
+    out = tmp_path / "out.jsonl"
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    p = subprocess.run([sys.executable, "-m", "mmzoo.infer", "model=qwen2_audio", f"checkpoint={ckpt}",
+                        f"audios=[{audio_files[0]},{audio_files[2]}]", "prompt=What do you hear?", "executor=eager",
+                        "max_new_tokens=5", "ignore_eos=true", f"output={out}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "model=qwen2_audio" in p.stderr
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(row["token_ids"]) == 5

@@ -13,14 +13,12 @@ padding images change nothing and their rows are never read.
 from __future__ import annotations
 
 import re
-import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from mmzoo._paths import cache_dir
+from mmzoo._paths import cached_default
 from mmzoo.adapters import mlp_projector
 from mmzoo.encoders import ClipVisionEncoder, resolve_feature_layers
 from mmzoo.errors import MmzooError
@@ -135,20 +133,6 @@ def refuse(request: Request, family: str, fields: tuple[str, ...]) -> None:
              and not (isinstance(getattr(request, f), (list, tuple)) and not getattr(request, f))]
     if given:
         raise MmzooError(f"model={family} does not take {', '.join(given)}")
-
-
-def cached_default(name: str, family: str, make) -> Path:
-    """A random-weight checkpoint built once under the cache directory (until a trained one ships)."""
-    path = cache_dir() / name
-    if not (path / "config.json").is_file():
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        make(tmp, seed=0)
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
-    print(f"mmzoo: WARNING: the embedded default {family} checkpoint has RANDOM weights "
-          "(no trained checkpoint ships yet); its answers are meaningless", file=sys.stderr)
-    return path
 
 
 _LM_RENAMES = [(r"\.self_attn\.", ".attn."), (r"\.input_layernorm\.", ".norm1."),

@@ -28,7 +28,8 @@ from mmzoo.executor._buckets import doubling
 from mmzoo.models._embeds import as_embeds
 from mmzoo.models._types import Prepared, Request, TowerInput
 from mmzoo.models.composition import MultimodalLM, Tower
-from mmzoo.models.llava import (cached_default, expand_runs, lm_key, prepare_inputs_embeds, refuse, render_prompt,
+from mmzoo._paths import cached_default
+from mmzoo.models.llava import (expand_runs, lm_key, prepare_inputs_embeds, refuse, render_prompt,
                                 rope_theta_1d)
 from mmzoo.models.qwen2_vl import qwen2_lm
 

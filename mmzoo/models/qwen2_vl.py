@@ -7,8 +7,6 @@ Resolution" (arXiv:2409.12191). Checkpoints: ``Qwen2VLForConditionalGeneration``
 from __future__ import annotations
 
 import re
-import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +15,7 @@ import torch
 from mmzoo.adapters import PatchMerger
 from mmzoo.encoders import Qwen2VisionEncoder, frame_segments, patch_positions
 from mmzoo.errors import MmzooError
-from mmzoo._paths import cache_dir
+from mmzoo._paths import cached_default
 from mmzoo.layers import mrope
 from mmzoo.lms import DecoderLM
 from mmzoo.models._embeds import as_embeds, as_grid
@@ -141,16 +139,7 @@ class Qwen2VL:
         locally (once, then cached)."""
         from mmzoo.testing import make_tiny_qwen2_vl
 
-        path = cache_dir() / "qwen2_vl-random-v1"
-        if not (path / "config.json").is_file():
-            tmp = path.with_name(path.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            make_tiny_qwen2_vl(tmp, seed=0)
-            shutil.rmtree(path, ignore_errors=True)
-            tmp.rename(path)
-        print("mmzoo: WARNING: the embedded default qwen2_vl checkpoint has RANDOM weights "
-              "(no trained checkpoint ships yet); its answers are meaningless", file=sys.stderr)
-        return path
+        return cached_default("qwen2_vl-random-v1", self.name, make_tiny_qwen2_vl)
 
     def build(self, config, attn_fn) -> MultimodalLM:
         """Modules sized by a ``Qwen2VLConfig`` (random weights until loaded)."""

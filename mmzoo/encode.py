@@ -1,4 +1,4 @@
-"""``python -m mmzoo.encode``: encode images/videos once, for serving several LMs from the embeddings.
+"""``python -m mmzoo.encode``: encode images/videos/audios once, for serving several LMs from the embeddings.
 
 Example::
 
@@ -6,7 +6,7 @@ Example::
     python -m mmzoo.infer model=qwen2_vl checkpoint=OTHER_LM embeds=emb.safetensors prompt='Compare them.'
 
 The file holds ``image_embeds [rows, hidden]`` and ``image_grid_thw [images, 3]`` (and the video
-pair), with metadata: the model family, a fingerprint of the encoder and adapter weights, the LM
+pair; ``audio_embeds`` and ``audio_lengths [clips]`` for Qwen2-Audio), with metadata: the model family, a fingerprint of the encoder and adapter weights, the LM
 hidden size, the dtype, the mmzoo version and the checkpoint path.
 """
 
@@ -28,19 +28,21 @@ def run(cfg: DictConfig) -> dict:
     from mmzoo.engine import load
 
     images, videos = list(cfg.images or []), OmegaConf.to_container(cfg.videos) or []
-    if not images and not videos:
-        raise MmzooError("nothing to encode: give images=[...] and/or videos=[...]")
+    audios = [str(a) for a in OmegaConf.to_container(cfg.audios) or []]
+    if not images and not videos and not audios:
+        raise MmzooError("nothing to encode: give images=[...], videos=[...] and/or audios=[...]")
     family, attention, executor = instantiate(cfg.model), instantiate(cfg.attention), instantiate(cfg.executor)
     print(f"mmzoo: encode model={family.name} attention={attention.name} executor={executor.describe()} "
           f"dtype={cfg.dtype}", file=sys.stderr)
     engine = load(cfg.checkpoint, model=family, executor=executor, attention=attention, dtype=cfg.dtype, verbose=True)
     t0 = time.perf_counter()
-    tensors = engine.encode(images=[str(i) for i in images], videos=videos)
+    tensors = engine.encode(images=[str(i) for i in images], videos=videos, audios=audios)
     secs = time.perf_counter() - t0
-    meta = {**engine.embeds_metadata(), "images": str([str(i) for i in images]), "encode_s": f"{secs:.4f}"}
+    meta = {**engine.embeds_metadata(), "images": str([str(i) for i in images]), "audios": str(audios),
+            "encode_s": f"{secs:.4f}"}
     _embeds_file.write(cfg.output, tensors, meta)
     shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items())
-    print(f"mmzoo: encoded {len(images)} images, {len(videos)} videos in {secs:.3f} s -> {cfg.output} ({shapes})",
+    print(f"mmzoo: encoded {len(images)} images, {len(videos)} videos, {len(audios)} audios in {secs:.3f} s -> {cfg.output} ({shapes})",
           file=sys.stderr)
     return {"tensors": tensors, "encode_s": secs}
 

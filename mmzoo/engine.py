@@ -8,10 +8,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from mmzoo import _embeds_file, _registry
 from mmzoo.executor._loop import DTYPES
+from mmzoo.executor._sharding import mesh_option
 from mmzoo.models._embeds import cast_note
 from mmzoo._weights import load_strict, read_safetensors
 from mmzoo.errors import MmzooError
@@ -88,23 +90,32 @@ class Engine:
                 raise MmzooError(msg + "; pass allow_fingerprint_mismatch=true to use them anyway")
             print(f"mmzoo: warning: {msg}", file=sys.stderr)
         clash = [f for f in tensors if getattr(request, f) is not None]
-        if clash or (request.images and "image_embeds" in tensors) or (request.videos and "video_embeds" in tensors):
-            raise MmzooError(f"request gives both embeds={request.embeds} and {clash or 'raw media'} for the same inputs")
+        raw = [f"{kind}s" for kind in ("image", "video", "audio")
+               if getattr(request, f"{kind}s") and f"{kind}_embeds" in tensors]
+        if clash or raw:
+            raise MmzooError(f"request gives both embeds={request.embeds} and {clash or raw} for the same inputs")
         return replace(request, embeds=None, **tensors)
 
     @torch.no_grad()
-    def encode(self, *, images: list | None = None, videos: list | None = None) -> dict[str, torch.Tensor]:
-        """Run only the towers: ``image_embeds`` (+ ``image_grid_thw``), ``video_embeds`` (+ grid)."""
+    def encode(self, *, images: list | None = None, videos: list | None = None,
+               audios: list | None = None) -> dict[str, torch.Tensor]:
+        """Run only the towers: ``image_embeds`` (+ ``image_grid_thw``), ``video_embeds`` (+ grid),
+        ``audio_embeds`` (+ ``audio_lengths``, each clip's rows), the rows in placeholder order."""
         out: dict[str, torch.Tensor] = {}
-        for kind, items in (("image", images), ("video", videos)):
+        for kind, items in (("image", images), ("video", videos), ("audio", audios)):
             if not items:
                 continue
-            req = Request(images=list(items)) if kind == "image" else Request(videos=list(items))
-            prepared = self.family.prepare(self.processor, self.config, req)
+            prepared = self.family.prepare(self.processor, self.config, Request(**{f"{kind}s": list(items)}))
             (item,) = prepared.media
-            out[f"{kind}_embeds"] = self.executor.encode_media(item)
+            rows = self.executor.encode_media(item)
+            used = prepared.mm_index[prepared.mm_index >= 0]  # the tower rows the prompt reads, in order
+            if not np.array_equal(used, np.arange(rows.shape[0])):
+                rows = rows[torch.as_tensor(used)]
+            out[f"{kind}_embeds"] = rows
             if kind in prepared.grids:
                 out[f"{kind}_grid_thw"] = torch.as_tensor(prepared.grids[kind])
+            if kind in prepared.lengths:
+                out[f"{kind}_lengths"] = torch.as_tensor(prepared.lengths[kind])
         return out
 
     def embeds_metadata(self) -> dict[str, str]:
@@ -118,7 +129,8 @@ class Engine:
         return self.processor.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def generate(self, prompt: str | Request | list[Request | dict], *, images: list | None = None,
-                 videos: list | None = None, max_new_tokens: int = 32, ignore_eos: bool = False,
+                 videos: list | None = None, audios: list | None = None, max_new_tokens: int = 32,
+                 ignore_eos: bool = False,
                  on_result=None) -> Result | list[Result]:
         """Generate for one prompt (returns a :class:`Result`) or for many requests (returns a list).
 
@@ -128,7 +140,7 @@ class Engine:
         if single:
             reqs = [prompt if isinstance(prompt, Request) else
                     Request(prompt=prompt, images=list(images or []), videos=list(videos or []),
-                            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, id=0)]
+                            audios=list(audios or []), max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, id=0)]
         else:
             reqs = [r if isinstance(r, Request) else Request(**{"id": i, **r}) for i, r in enumerate(prompt)]
         prepared, failed = [], {}
@@ -161,7 +173,7 @@ def _eos_ids(checkpoint: Path, config, tokenizer) -> list[int]:
 
 def load(checkpoint: str | Path | None = None, *, model: str | Any | None = None, executor: str | Executor = "xla",
          attention: str | Any = "sdpa", dtype: str = "float32", towers: bool = True,
-         allow_fingerprint_mismatch: bool = False, verbose: bool = False, **executor_kwargs) -> Engine:
+         allow_fingerprint_mismatch: bool = False, verbose: bool = False, mesh=None, **executor_kwargs) -> Engine:
     """Load a Hugging Face checkpoint directory into an :class:`Engine`.
 
     Args:
@@ -174,6 +186,9 @@ def load(checkpoint: str | Path | None = None, *, model: str | Any | None = None
         towers: build and load the encoder towers; False serves precomputed embeddings and text only
             (the tower weights are only hashed, to check embeddings files against them).
         allow_fingerprint_mismatch: accept embeddings files made by other encoder weights (warns).
+        mesh: split the model over a device mesh with torch_xla SPMD (``executor="xla"``): a
+            ``conf/mesh`` name (``"tp"``, ``"dp_tp"``), ``{"data": d, "model": m}`` or a
+            :class:`~mmzoo.executor.MeshSpec`; None or ``"single"``: one device, no SPMD.
         executor_kwargs: overrides of the executor config (``max_model_len=``, ``max_batch=``, ...).
     """
     from transformers import AutoProcessor
@@ -204,6 +219,13 @@ def load(checkpoint: str | Path | None = None, *, model: str | Any | None = None
         modules.towers = torch.nn.ModuleDict()
         weights = {k: v for k, v in weights.items() if not k.startswith("towers.")}
     load_strict(modules, weights, source=str(checkpoint))
+    mesh = mesh_option(mesh)
+    if mesh is not None and mesh.spmd:  # validated against the modules before anything is placed
+        if not hasattr(exe, "use_mesh"):
+            raise MmzooError(f"mesh {mesh} needs executor=xla; the {exe.name} executor runs on one device")
+        exe.use_mesh(mesh, modules)
+        if verbose:
+            print(f"mmzoo: {exe.sharding.describe()}", file=sys.stderr)
     processor = AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True)
     eos = _eos_ids(checkpoint, config, processor.tokenizer)
     exe.setup(modules, dtype=dtype, eos_token_ids=eos)

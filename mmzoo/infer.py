@@ -68,6 +68,12 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> None:
         raise
 
 
+def _paths_of(items: list) -> list:
+    """Media items as JSON: paths as strings (a video given as frames: a list of them); arrays as a note."""
+    return [_paths_of(i) if isinstance(i, (list, tuple)) else str(i) if isinstance(i, (str, Path))
+            else f"<{type(i).__name__}>" for i in items]
+
+
 def run(cfg: DictConfig) -> list[dict]:
     """Build the pipeline from ``cfg``, run the requests, print and write the results."""
     from mmzoo.engine import load
@@ -126,7 +132,9 @@ def run(cfg: DictConfig) -> list[dict]:
     for r in requests:
         if isinstance(r, Request):
             res = by_id[id(r)]
-            out.append({**res.to_json(), "images": [str(i) for i in r.images]})
+            media = {"images": [str(i) for i in r.images]}  # videos/audios only when given
+            media.update({k: _paths_of(getattr(r, k)) for k in ("videos", "audios") if getattr(r, k)})
+            out.append({**res.to_json(), **media})
         else:
             out.append({"error": str(r)})
     if cfg.output is not None:

@@ -99,12 +99,10 @@ def test_matches_transformers(ckpt, reference, audio_files, executor, attention,
 
 
 def clip_embeds(engine, files) -> list[torch.Tensor]:
-    """Each clip's valid ``[tokens, hidden]`` embeddings, from one tower call."""
-    prepared = engine.prepare(mmzoo.Request(audios=files))
-    full = engine.executor.encode_media(prepared.media[0])  # [clips * per, hidden]
-    per = Qwen2Audio.tokens_per_clip(engine.config)
-    rows = prepared.mm_index[prepared.mm_index >= 0]
-    return [full[i * per: i * per + int(((rows >= i * per) & (rows < (i + 1) * per)).sum())] for i in range(len(files))]
+    """Each clip's valid ``[tokens, hidden]`` embeddings, from ``Engine.encode``'s rows and lengths."""
+    out = engine.encode(audios=files)
+    assert set(out) == {"audio_embeds", "audio_lengths"}
+    return list(torch.split(out["audio_embeds"], out["audio_lengths"].tolist()))
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
@@ -115,6 +113,9 @@ def test_audio_embeds_match_raw_audio(eager, ckpt, audio_files, executor):
     raw = engine.generate(mmzoo.Request(prompt=PROMPT, audios=audio_files, **GEN))
     via = engine.generate(mmzoo.Request(prompt=PROMPT, audio_embeds=parts, **GEN))
     assert via.token_ids == raw.token_ids and via.prompt_token_ids == raw.prompt_token_ids
+    packed = engine.generate(mmzoo.Request(prompt=PROMPT, audio_embeds=torch.cat(parts), audio_lengths=[12, 32, 20],
+                                           **GEN))
+    assert packed.token_ids == raw.token_ids
     if executor == "eager":  # one 2-D array is one clip (on XLA this would only add compiles)
         one = engine.generate(mmzoo.Request(prompt=PROMPT, audio_embeds=parts[1], **GEN))
         assert one.token_ids == engine.generate(mmzoo.Request(prompt=PROMPT, audios=audio_files[1:2], **GEN)).token_ids
@@ -160,6 +161,10 @@ def test_bad_input(eager, audio_files, tmp_path):
         (dict(audio_embeds=[torch.zeros(0, 64)]), r"audio_embeds\[0\] has no rows"),
         (dict(audio_embeds=[torch.zeros(4, 64)], audios=audio_files[:1]), r"give audios or audio_embeds, not both"),
         (dict(images=["a.png"]), r"model=qwen2_audio does not take images"),
+        (dict(audio_embeds=torch.zeros(6, 64), audio_lengths=[2, 3]),
+         r"audio_lengths \[2, 3\] sum to 5 rows but audio_embeds has 6"),
+        (dict(audio_embeds=torch.zeros(6, 64), audio_lengths=[6, 0]), r"audio_lengths must be a 1-D list of positive"),
+        (dict(audio_embeds=[torch.zeros(6, 64)], audio_lengths=[6]), r"audio_lengths splits a 2-D audio_embeds"),
     ]
     for kwargs, match in cases:
         with pytest.raises(MmzooError, match=match):
@@ -179,4 +184,20 @@ def test_cli(ckpt, audio_files, tmp_path):
     assert p.returncode == 0, p.stderr
     assert "model=qwen2_audio" in p.stderr
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(row["token_ids"]) == 5
+    assert len(row["token_ids"]) == 5 and row["audios"] == [audio_files[0], audio_files[2]]
+    # encode once, then serve from the embeddings file: the same tokens, the tower not loaded
+    emb = tmp_path / "emb.safetensors"
+    p = subprocess.run([sys.executable, "-m", "mmzoo.encode", "model=qwen2_audio", f"checkpoint={ckpt}",
+                        f"audios=[{audio_files[0]},{audio_files[2]}]", f"output={emb}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "audio_lengths [2]" in p.stderr
+    out2 = tmp_path / "out2.jsonl"
+    p = subprocess.run([sys.executable, "-m", "mmzoo.infer", "model=qwen2_audio", f"checkpoint={ckpt}",
+                        f"embeds={emb}", "prompt=What do you hear?", "executor=eager", "max_new_tokens=5",
+                        "ignore_eos=true", f"output={out2}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "encoder towers are not loaded" in p.stderr
+    (row2,) = [json.loads(line) for line in out2.read_text().splitlines()]
+    assert row2["token_ids"] == row["token_ids"] and row2["prompt_token_ids"] == row["prompt_token_ids"]

@@ -32,7 +32,8 @@ class Request:
     image_grid_thw: Any = None  # [num_images, 3] with image_embeds (Qwen2-VL)
     video_embeds: Any = None
     video_grid_thw: Any = None
-    audio_embeds: Any = None
+    audio_embeds: Any = None  # [tokens, hidden] per clip (a list of 2-D), or one 2-D split by audio_lengths
+    audio_lengths: Any = None  # [clips] token rows of each clip in a 2-D audio_embeds (mmzoo.encode writes it)
     inputs_embeds: Any = None  # [s, hidden] embeddings of the whole prompt (soft prompts)
     embeds: str | None = None  # an mmzoo.encode safetensors file supplying the *_embeds fields
 
@@ -83,3 +84,4 @@ class Prepared:
     mm_index: np.ndarray  # [s] int64
     media: list[TowerInput] = field(default_factory=list)
     grids: dict[str, np.ndarray] = field(default_factory=dict)  # "image"/"video" -> grid_thw (Qwen2-VL)
+    lengths: dict[str, np.ndarray] = field(default_factory=dict)  # "audio" -> embedding rows per clip

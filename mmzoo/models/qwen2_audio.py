@@ -29,8 +29,8 @@ from mmzoo.models._embeds import as_embeds
 from mmzoo.models._types import Prepared, Request, TowerInput
 from mmzoo.models.composition import MultimodalLM, Tower
 from mmzoo._paths import cached_default
-from mmzoo.models.llava import (expand_runs, lm_key, prepare_inputs_embeds, refuse, render_prompt,
-                                rope_theta_1d)
+from mmzoo.models._prompt import expand_runs, prepare_inputs_embeds, refuse, render_prompt
+from mmzoo.models.llava import lm_key, rope_theta_1d
 from mmzoo.models.qwen2_vl import qwen2_lm
 
 POOL = 2  # Qwen2-Audio's average pooling (kernel 2, stride 2)
@@ -222,11 +222,14 @@ class Qwen2Audio:
             if request.audios:
                 raise MmzooError("give audios or audio_embeds, not both")
             value = request.audio_embeds
-            parts = list(value) if isinstance(value, (list, tuple)) else [value]
-            if not parts:
+            if isinstance(value, (list, tuple)):
+                if request.audio_lengths is not None:
+                    raise MmzooError("audio_lengths splits a 2-D audio_embeds; give one or the other, not a list too")
+                embeds = [as_embeds(p, f"audio_embeds[{i}]", hidden=tc.hidden_size) for i, p in enumerate(value)]
+            else:
+                embeds = split_rows(as_embeds(value, "audio_embeds", hidden=tc.hidden_size), request.audio_lengths)
+            if not embeds:
                 raise MmzooError("audio_embeds is an empty list")
-            embeds = [as_embeds(p, f"audio_embeds[{i}]" if isinstance(value, (list, tuple)) else "audio_embeds",
-                                hidden=tc.hidden_size) for i, p in enumerate(parts)]
             for i, e in enumerate(embeds):
                 if e.shape[0] == 0:
                     raise MmzooError(f"audio_embeds[{i}] has no rows")
@@ -257,4 +260,18 @@ class Qwen2Audio:
             media = [TowerInput(tower="audio", inputs={"features": feats, "lengths": frames},
                                 num_embeds=len(counts) * per, pad={"lengths": feats.shape[-1]})]
         return Prepared(request=request, input_ids=input_ids, positions=np.arange(len(input_ids))[None],
-                        position_delta=0, mm_index=mm_index, media=media)
+                        position_delta=0, mm_index=mm_index, media=media,
+                        lengths={"audio": np.asarray(counts, np.int64)} if counts else {})
+
+
+def split_rows(embeds: torch.Tensor, lengths) -> list[torch.Tensor]:
+    """A 2-D ``audio_embeds`` as one clip, or split into clips of ``audio_lengths`` rows each."""
+    if lengths is None:
+        return [embeds]
+    arr = lengths.numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or (arr < 1).any():
+        raise MmzooError(f"audio_lengths must be a 1-D list of positive integers, got {arr.tolist()}")
+    if int(arr.sum()) != embeds.shape[0]:
+        raise MmzooError(f"audio_lengths {arr.tolist()} sum to {int(arr.sum())} rows but audio_embeds has "
+                         f"{embeds.shape[0]}")
+    return list(torch.split(embeds, [int(n) for n in arr]))

@@ -15,11 +15,12 @@ import torch
 from mmzoo.adapters import PatchMerger
 from mmzoo.encoders import Qwen2VisionEncoder, frame_segments, patch_positions
 from mmzoo.errors import MmzooError
-from mmzoo._paths import cached_default
+from mmzoo._paths import ASSETS
 from mmzoo.layers import mrope
 from mmzoo.lms import DecoderLM
 from mmzoo.models._embeds import as_embeds, as_grid
 from mmzoo.models._media import load_images, load_videos
+from mmzoo.models._prompt import expand_runs, prepare_inputs_embeds, refuse, render_prompt
 from mmzoo.models._types import Prepared, Request, TowerInput
 from mmzoo.models.composition import MultimodalLM, Tower
 
@@ -97,23 +98,14 @@ def rope_index(input_ids: np.ndarray, grids: dict[int, np.ndarray], *, merge_siz
 def expand_placeholders(ids: np.ndarray, tokens: dict[str, int], counts: dict[str, list[int]]) -> np.ndarray:
     """Token ids with each item's placeholder expanded to its embedding count.
 
-    Already-expanded ids pass through; otherwise each run of placeholder tokens (one per item,
-    as in vLLM's token prompts) becomes ``counts[kind][i]`` tokens.
+    Already-expanded ids (as many placeholder tokens as embeddings) pass through; otherwise each
+    run of placeholder tokens (one per item, as in vLLM's token prompts) becomes
+    ``counts[kind][i]`` tokens.
     """
     for kind, token in tokens.items():
         want = counts.get(kind, [])
-        where = np.flatnonzero(ids == token)
-        if len(where) == sum(want):
-            continue
-        runs = np.split(where, np.flatnonzero(np.diff(where) != 1) + 1) if len(where) else []
-        if len(runs) != len(want):
-            raise MmzooError(f"prompt_token_ids has {len(runs)} {kind} placeholders but {len(want)} {kind}s are "
-                             f"given (grid_thw rows)")
-        out, last = [], 0
-        for run, n in zip(runs, want):
-            out += [ids[last:run[0]], np.full(n, token, np.int64)]
-            last = run[-1] + 1
-        ids = np.concatenate(out + [ids[last:]])
+        if int((ids == token).sum()) != sum(want):
+            ids = expand_runs(ids, token, want, what=kind, note=" (grid_thw rows)")
     return ids
 
 
@@ -135,11 +127,13 @@ class Qwen2VL:
     towers = ("vision",)
 
     def default_checkpoint(self) -> Path:
-        """The embedded default: until a trained one ships, a small random-weight checkpoint built
-        locally (once, then cached)."""
-        from mmzoo.testing import make_tiny_qwen2_vl
-
-        return cached_default("qwen2_vl-random-v1", self.name, make_tiny_qwen2_vl)
+        """The embedded default: the small trained shapes demo shipped in ``mmzoo/assets``
+        (``recipes/train_demo.py`` retrains it)."""
+        path = ASSETS / "qwen2_vl_shapes"
+        if not (path / "config.json").is_file():
+            raise MmzooError(f"the embedded default checkpoint {path} is missing; retrain it with "
+                             "`python recipes/train_demo.py`, or give checkpoint=DIR")
+        return path
 
     def build(self, config, attn_fn) -> MultimodalLM:
         """Modules sized by a ``Qwen2VLConfig`` (random weights until loaded)."""
@@ -212,8 +206,9 @@ class Qwen2VL:
         """
         tc, vc = config.text_config, config.vision_config
         merge = vc.spatial_merge_size
+        refuse(request, self.name, ("audios", "audio_embeds", "audio_lengths"))
         if request.inputs_embeds is not None:
-            return self._prepare_inputs_embeds(request, hidden=tc.hidden_size)
+            return prepare_inputs_embeds(request, hidden=tc.hidden_size, position_axes=3)
         kinds = {}
         for kind, raw, emb_field, grid_field in (("image", request.images, "image_embeds", "image_grid_thw"),
                                                  ("video", request.videos, "video_embeds", "video_grid_thw")):
@@ -244,26 +239,10 @@ class Qwen2VL:
         if request.prompt_token_ids is not None:
             input_ids = expand_placeholders(np.asarray(request.prompt_token_ids, dtype=np.int64), tokens, counts)
         else:
-            content = ([{"type": "image"} for _ in counts.get("image", [])]
-                       + [{"type": "video"} for _ in counts.get("video", [])]
-                       + [{"type": "text", "text": request.prompt}])
-            text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                 add_generation_prompt=True)
-            for kind, pad in (("image", processor.image_token), ("video", processor.video_token)):
-                pieces = text.split(pad)
-                text = pieces[0] + "".join(pad * n + rest for n, rest in zip(counts.get(kind, []), pieces[1:]))
-            input_ids = np.asarray(processor.tokenizer(text)["input_ids"], dtype=np.int64)
+            input_ids = render_prompt(processor, request, ["image", "video"],
+                                      {"image": (processor.image_token, counts.get("image", [])),
+                                       "video": (processor.video_token, counts.get("video", []))})
         return self.prepare_ids(config, request, input_ids, image=kinds.get("image"), video=kinds.get("video"))
-
-    @staticmethod
-    def _prepare_inputs_embeds(request: Request, *, hidden: int) -> Prepared:
-        if request.images or request.videos or request.image_embeds is not None or request.video_embeds is not None:
-            raise MmzooError("inputs_embeds replaces the whole prompt; do not also give images, videos or *_embeds")
-        emb = as_embeds(request.inputs_embeds, "inputs_embeds", hidden=hidden)
-        s = emb.shape[0]
-        return Prepared(request=request, input_ids=np.zeros(s, np.int64), positions=np.tile(np.arange(s), (3, 1)),
-                        position_delta=0, mm_index=np.arange(s),
-                        media=[TowerInput(tower="inputs_embeds", inputs={}, num_embeds=s, embeds=emb)])
 
     def prepare_ids(self, config, request: Request, input_ids: np.ndarray, *, image=None, video=None) -> Prepared:
         """Positions and media rows for token ids whose placeholders are already expanded.

@@ -111,8 +111,6 @@ def run(cfg: DictConfig) -> list[dict]:
         print("mmzoo: no raw media in the requests; the encoder towers are not loaded", file=sys.stderr)
     print(f"mmzoo: checkpoint {engine.checkpoint}", file=sys.stderr)
 
-    rows: dict[int, dict] = {}
-
     def show(result) -> None:
         if result.error:
             print(f"error: request {result.id}: {result.error}", file=sys.stderr)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mmzoo.layers import MLP, Attention, TransformerBlock, layer_norm
+from mmzoo.layers import layer_norm, vit_block
 
 
 def resolve_feature_layers(layers: int | Sequence[int], num_layers: int) -> list[int]:
@@ -65,7 +65,6 @@ class ClipVisionEncoder(nn.Module):
             raise ValueError(f"vision embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
         if not feature_layers or not all(0 <= i <= depth for i in feature_layers):
             raise ValueError(f"feature_layers {list(feature_layers)} must be non-empty indices in [0, depth={depth}]")
-        head_dim = embed_dim // num_heads
         self.image_size, self.patch_size = image_size, patch_size
         self.num_patches = (image_size // patch_size) ** 2
         self.feature_layers, self.keep_cls = list(feature_layers), keep_cls
@@ -74,13 +73,8 @@ class ClipVisionEncoder(nn.Module):
         self.position_embedding = nn.Embedding(self.num_patches + 1, embed_dim)
         self.pre_norm = layer_norm(embed_dim, norm_eps)
         self.blocks = nn.ModuleList(
-            TransformerBlock(
-                attn=Attention(dim=embed_dim, num_heads=num_heads, num_kv_heads=num_heads, head_dim=head_dim,
-                               attn_fn=attn_fn, causal=False, qkv_bias=True, out_bias=True, layer_idx=i),
-                mlp=MLP(dim=embed_dim, hidden_dim=intermediate_dim, act=act),
-                norm1=layer_norm(embed_dim, norm_eps),
-                norm2=layer_norm(embed_dim, norm_eps),
-            )
+            vit_block(dim=embed_dim, num_heads=num_heads, hidden_dim=intermediate_dim, act=act, attn_fn=attn_fn,
+                      layer_idx=i, norm_eps=norm_eps)
             for i in range(depth)
         )
         self.embed_dim = embed_dim

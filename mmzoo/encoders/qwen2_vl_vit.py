@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mmzoo.layers import MLP, Attention, TransformerBlock, layer_norm, rope_2d
+from mmzoo.layers import rope_2d, vit_block
 
 
 class PatchEmbed3D(nn.Module):
@@ -56,13 +56,8 @@ class Qwen2VisionEncoder(nn.Module):
         self.rotary = rope_2d(head_dim, rope_theta)
         hidden = int(embed_dim * mlp_ratio)
         self.blocks = nn.ModuleList(
-            TransformerBlock(
-                attn=Attention(dim=embed_dim, num_heads=num_heads, num_kv_heads=num_heads, head_dim=head_dim,
-                               attn_fn=attn_fn, causal=False, qkv_bias=True, out_bias=True, layer_idx=i),
-                mlp=MLP(dim=embed_dim, hidden_dim=hidden, act=act),
-                norm1=layer_norm(embed_dim, norm_eps),
-                norm2=layer_norm(embed_dim, norm_eps),
-            )
+            vit_block(dim=embed_dim, num_heads=num_heads, hidden_dim=hidden, act=act, attn_fn=attn_fn, layer_idx=i,
+                      norm_eps=norm_eps)
             for i in range(depth)
         )
         self.embed_dim = embed_dim

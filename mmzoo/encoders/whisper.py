@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mmzoo.layers import MLP, Attention, TransformerBlock, layer_norm
+from mmzoo.layers import layer_norm, vit_block
 
 
 def conv_lengths(mel_frames):
@@ -48,20 +48,13 @@ class WhisperEncoder(nn.Module):
             raise ValueError(f"audio embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
         if pool_stride < 1 or max_positions % pool_stride:
             raise ValueError(f"pool_stride={pool_stride} must be >= 1 and divide max_positions={max_positions}")
-        head_dim = embed_dim // num_heads
         self.num_mel_bins, self.max_positions, self.pool_stride = num_mel_bins, max_positions, pool_stride
         self.conv1 = nn.Conv1d(num_mel_bins, embed_dim, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(embed_dim, embed_dim, kernel_size=3, stride=2, padding=1)
         self.embed_positions = nn.Embedding(max_positions, embed_dim)
-        self.blocks = nn.ModuleList(
-            TransformerBlock(
-                # Whisper's key projection has no bias; the weight mapping loads a zero one.
-                attn=Attention(dim=embed_dim, num_heads=num_heads, num_kv_heads=num_heads, head_dim=head_dim,
-                               attn_fn=attn_fn, causal=False, qkv_bias=True, out_bias=True, layer_idx=i),
-                mlp=MLP(dim=embed_dim, hidden_dim=ffn_dim, act=act),
-                norm1=layer_norm(embed_dim, norm_eps),
-                norm2=layer_norm(embed_dim, norm_eps),
-            )
+        self.blocks = nn.ModuleList(  # Whisper's key projection has no bias; the weight mapping loads a zero one
+            vit_block(dim=embed_dim, num_heads=num_heads, hidden_dim=ffn_dim, act=act, attn_fn=attn_fn, layer_idx=i,
+                      norm_eps=norm_eps)
             for i in range(depth)
         )
         self.norm = layer_norm(embed_dim, norm_eps)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmzoo.layers.attention import Attention
+from mmzoo.layers.mlp import MLP
+from mmzoo.layers.norm import layer_norm
+
 
 class TransformerBlock(nn.Module):
     """``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``.
@@ -21,3 +25,18 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, *, rope=None, cache=None, attn_kwargs=None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope=rope, cache=cache, attn_kwargs=attn_kwargs)
         return x + self.mlp(self.norm2(x))
+
+
+def vit_block(*, dim: int, num_heads: int, hidden_dim: int, act: str, attn_fn, layer_idx: int,
+              norm_eps: float) -> TransformerBlock:
+    """The encoder block of CLIP, Qwen2-VL's ViT and Whisper: LayerNorm, bidirectional attention
+    with q/k/v and output biases, a two-layer MLP."""
+    if dim % num_heads:
+        raise ValueError(f"embed_dim={dim} is not divisible by num_heads={num_heads}")
+    return TransformerBlock(
+        attn=Attention(dim=dim, num_heads=num_heads, num_kv_heads=num_heads, head_dim=dim // num_heads,
+                       attn_fn=attn_fn, causal=False, qkv_bias=True, out_bias=True, layer_idx=layer_idx),
+        mlp=MLP(dim=dim, hidden_dim=hidden_dim, act=act),
+        norm1=layer_norm(dim, norm_eps),
+        norm2=layer_norm(dim, norm_eps),
+    )

@@ -263,7 +263,8 @@ def decode_weight_bytes(lm, dtype: str, batch: int = 1) -> int:
 
     emb = lm.embed_tokens.weight
     n = sum(p.numel() for p in lm.parameters() if p is not emb)  # parameters() lists a tied weight once
-    n += emb.numel() if lm.tie_word_embeddings else batch * emb.shape[1]
+    head_reads_emb = any(p is emb for p in lm.lm_head.parameters())  # tied, and not given its own layout
+    n += emb.numel() if head_reads_emb else batch * emb.shape[1]
     return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 

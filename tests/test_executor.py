@@ -102,3 +102,24 @@ def test_bfloat16(qwen2_vl_ckpt, image_files, executor):
     a, b = ref.executor.prompt_logits(ref.prepare(req)), bf.executor.prompt_logits(bf.prepare(req))
     assert abs(a - b).max() < 0.15 * abs(a).max()
     assert len(bf.generate(req.prompt, images=req.images, max_new_tokens=4, ignore_eos=True).token_ids) == 4
+
+
+def test_linear_weights_held_transposed_on_xla_cpu(xla_engine, qwen2_vl_ckpt, image_files):
+    """On the XLA CPU client every linear weight is stored [in, out] (no per-step weight copies);
+    results equal the untransposed layout's."""
+    from torch import nn
+    from torch.nn.utils import parametrize
+
+    linears = [m for m in xla_engine.model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(parametrize.is_parametrized(m, "weight") for m in linears)
+    head = xla_engine.model.lm.lm_head
+    assert head.parametrizations.weight.original.shape == (head.in_features, head.out_features)
+    assert head.weight.shape == (head.out_features, head.in_features)
+    plain = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, warmup=False,
+                       transpose_weights=False, **SMALL)
+    assert not any(parametrize.is_parametrized(m) for m in plain.model.modules())
+    req = mmzoo.Request(prompt="Describe.", images=image_files[:1], max_new_tokens=6, ignore_eos=True)
+    prepared = xla_engine.prepare(req)
+    torch.testing.assert_close(xla_engine.executor.prompt_logits(prepared), plain.executor.prompt_logits(prepared),
+                               rtol=0, atol=1e-4, check_dtype=False)
+    assert xla_engine.generate(req).token_ids == plain.generate(req).token_ids

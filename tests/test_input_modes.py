@@ -151,32 +151,43 @@ def _cli(module, *args, cwd):
                           timeout=600)
 
 
-def test_encode_then_infer_cli_with_fingerprint_check(qwen2_vl_ckpt, image_files, tmp_path):
+def _run(module: str, *overrides: str):
+    """``python -m mmzoo.<module> overrides...`` in this process (Hydra compose + the module's run)."""
+    import importlib
+
+    from hydra import compose, initialize_config_dir
+
+    from mmzoo._registry import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name=module, overrides=list(overrides))
+    return importlib.import_module(f"mmzoo.{module}").run(cfg)
+
+
+def test_encode_then_infer_cli_with_fingerprint_check(qwen2_vl_ckpt, image_files, tmp_path, capsys):
     emb_path = tmp_path / "emb.safetensors"
-    p = _cli("mmzoo.encode", "model=qwen2_vl", f"checkpoint={qwen2_vl_ckpt}",
-             f"images=[{image_files[0]},{image_files[1]}]", f"output={emb_path}", cwd=tmp_path)
-    assert p.returncode == 0, p.stderr
+    _run("encode", "model=qwen2_vl", f"checkpoint={qwen2_vl_ckpt}", f"images=[{image_files[0]},{image_files[1]}]",
+         f"output={emb_path}")
     tensors = load_file(emb_path)
     assert set(tensors) == {"image_embeds", "image_grid_thw"} and tensors["image_embeds"].shape[1] == 64
     raw_out, emb_out = tmp_path / "raw.jsonl", tmp_path / "emb.jsonl"
     common = ["prompt=Compare them.", "max_new_tokens=8", "ignore_eos=true", "executor=eager"]
-    p1 = _cli("mmzoo.infer", f"checkpoint={qwen2_vl_ckpt}", f"images=[{image_files[0]},{image_files[1]}]",
-              f"output={raw_out}", *common, cwd=tmp_path)
-    p2 = _cli("mmzoo.infer", f"checkpoint={qwen2_vl_ckpt}", f"embeds={emb_path}", f"output={emb_out}", *common,
-              cwd=tmp_path)
-    assert p1.returncode == 0 and p2.returncode == 0, p1.stderr + p2.stderr
-    assert "encoder towers are not loaded" in p2.stderr
+    _run("infer", f"checkpoint={qwen2_vl_ckpt}", f"images=[{image_files[0]},{image_files[1]}]", f"output={raw_out}",
+         *common)
+    capsys.readouterr()
+    _run("infer", f"checkpoint={qwen2_vl_ckpt}", f"embeds={emb_path}", f"output={emb_out}", *common)
+    assert "encoder towers are not loaded" in capsys.readouterr().err
     a, b = (json.loads(f.read_text()) for f in (raw_out, emb_out))
     assert a["token_ids"] == b["token_ids"]
-    # embeddings from another encoder: an error naming the fingerprints, unless overridden
+    # embeddings from another encoder: an error naming the fingerprints (exit 1, nothing written), unless overridden
     other = make_tiny_qwen2_vl(tmp_path / "other", seed=1)
     bad_out = tmp_path / "bad.jsonl"
     p3 = _cli("mmzoo.infer", f"checkpoint={other}", f"embeds={emb_path}", f"output={bad_out}", *common, cwd=tmp_path)
     assert p3.returncode == 1 and "encoder weights" in p3.stderr and "allow_fingerprint_mismatch" in p3.stderr
     assert not bad_out.exists()
-    p4 = _cli("mmzoo.infer", f"checkpoint={other}", f"embeds={emb_path}", "allow_fingerprint_mismatch=true",
-              f"output={bad_out}", *common, cwd=tmp_path)
-    assert p4.returncode == 0 and "warning" in p4.stderr and bad_out.exists()
+    _run("infer", f"checkpoint={other}", f"embeds={emb_path}", "allow_fingerprint_mismatch=true", f"output={bad_out}",
+         *common)
+    assert "warning" in capsys.readouterr().err and bad_out.exists()
 
 
 def test_encode_cli_bad_image_writes_nothing(qwen2_vl_ckpt, tmp_path):

@@ -81,6 +81,25 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
 
 
+def fold_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+    """GQA without repeating kv heads: the ``groups`` query heads that share a kv head become
+    extra query rows of it, so every key is read in place (no per-step copy of the KV cache).
+
+    ``q [b, hq, sq, d]`` -> ``[b, hkv, groups * sq, d]``; ``mask [b, 1, sq, skv]`` -> ``[b, 1,
+    groups * sq, skv]``. Returns ``(q, mask, unfold)`` where ``unfold(out)`` restores ``[b, hq, sq, d]``.
+    Query head ``i`` uses kv head ``i // groups``, as :func:`repeat_kv` does.
+    """
+    check_inputs(q, k, v)
+    b, hq, sq, d = q.shape
+    groups = hq // k.shape[1]
+    if groups == 1:
+        return q, mask, lambda out: out
+    if mask is not None:
+        skv = mask.shape[-1]
+        mask = mask.unsqueeze(2).expand(b, 1, groups, sq, skv).reshape(b, 1, groups * sq, skv)
+    return q.reshape(b, k.shape[1], groups * sq, d), mask, lambda out: out.reshape(b, hq, sq, out.shape[-1])
+
+
 def checked_full_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the layouts, then repeat kv heads to the query heads (the dense backends' GQA)."""
     check_inputs(q, k, v)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmzoo.backends._base import AttentionBackend, checked_full_kv, visibility_mask
+from mmzoo.backends._base import AttentionBackend, check_inputs, fold_gqa, visibility_mask
 
 
 class EagerAttention(AttentionBackend):
@@ -14,17 +14,18 @@ class EagerAttention(AttentionBackend):
 
     def __call__(self, q, k, v, *, scale, causal=False, q_segment_ids=None, kv_segment_ids=None,
                  q_positions=None, kv_lengths=None):
-        k, v = checked_full_kv(q, k, v)
+        check_inputs(q, k, v)
         b, _, sq, _ = q.shape
         skv = k.shape[2]
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [b, hq, sq, skv]
         mask = visibility_mask(b, sq, skv, q.device, causal=causal, q_segment_ids=q_segment_ids,
                                kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                                kv_lengths=kv_lengths)
+        q, mask, unfold = fold_gqa(q, k, v, mask)  # GQA: query heads of a kv head as its extra rows
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [b, hkv, groups * sq, skv]
         if mask is not None:
             scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        out = torch.matmul(probs, v)  # [b, hq, sq, d]
+        out = torch.matmul(probs, v)  # [b, hkv, groups * sq, d]
         if mask is not None:
             out = out * mask.any(dim=-1, keepdim=True).to(out.dtype)  # rows that see nothing -> 0
-        return out
+        return unfold(out)

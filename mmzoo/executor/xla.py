@@ -51,6 +51,8 @@ class XLAExecutor(Executor):
         on_recompile: ``error``, ``warn`` or ``ignore`` when a graph compiles after warmup.
         compile_cache_dir: persistent XLA compilation cache (None: off).
         progress: progress bars for warmup and generation.
+        transpose_weights: hold linear weights as ``[in, out]`` (:mod:`mmzoo.executor._layout`);
+            ``"auto"``: on the XLA CPU client without a mesh, where it removes a weight copy per step.
     """
 
     name = "xla"
@@ -59,7 +61,7 @@ class XLAExecutor(Executor):
                  min_prefill: int = 16, prefill_linear_after: int | None = None, prefill_linear_step: int | None = None,
                  encoder_buckets: dict[str, list[int]] | None = None, min_encoder_rows: int = 64,
                  max_encoder_rows: int = 16384, warmup: bool = True, on_recompile: str = "warn",
-                 compile_cache_dir: str | None = None, progress: bool = False):
+                 compile_cache_dir: str | None = None, progress: bool = False, transpose_weights: bool | str = "auto"):
         super().__init__(max_model_len=max_model_len, max_batch=max_batch, progress=progress)
         if on_recompile not in ("error", "warn", "ignore"):
             raise ValueError(f"on_recompile={on_recompile!r}: choose error, warn or ignore")
@@ -70,6 +72,9 @@ class XLAExecutor(Executor):
             raise ValueError(f"prefill bucket {self.prefill_buckets[-1]} exceeds max_model_len={max_model_len}")
         self.encoder_buckets = {k: sorted(int(x) for x in v) for k, v in (encoder_buckets or {}).items()}
         self.default_encoder_buckets = doubling(min_encoder_rows, max_encoder_rows)
+        if transpose_weights not in ("auto", True, False):
+            raise ValueError(f"transpose_weights={transpose_weights!r}: choose auto, true or false")
+        self.transpose_weights = transpose_weights
         self.do_warmup, self.on_recompile = warmup, on_recompile
         self.warmup_s: float | None = None
         self._baseline: int | None = None
@@ -81,6 +86,20 @@ class XLAExecutor(Executor):
         import torch_xla
 
         self._xla = torch_xla
+
+    def setup(self, model, *, dtype: str = "float32", eos_token_ids=()) -> None:
+        super().setup(model, dtype=dtype, eos_token_ids=eos_token_ids)
+        transpose = self.transpose_weights
+        if transpose == "auto":
+            transpose = os.environ.get("PJRT_DEVICE") == "CPU" and getattr(self, 'sharding', None) is None
+        if transpose and getattr(self, 'sharding', None) is not None:
+            raise ValueError("transpose_weights=true is not supported with a device mesh (the sharding rules "
+                             "name [out, in] weights); use auto or false")
+        if transpose:
+            from mmzoo.executor._layout import hold_linears_transposed
+
+            hold_linears_transposed(self.model)
+            self.step_done()
 
     # -- shapes ----------------------------------------------------------------------------
     def device(self) -> torch.device:

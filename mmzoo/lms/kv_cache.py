@@ -25,10 +25,15 @@ class KVCache:
         self.num_slots, self.max_len = num_slots, max_len
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor):
-        # k, v: [b, hkv, s, d]; slots [b]; positions [b, s] -> cache[slot, :, pos] = k
-        rows = slots.view(-1, 1).expand_as(positions)  # [b, s]
-        self.k[layer][rows, :, positions] = k.transpose(1, 2)  # advanced dims first: [b, s, hkv, d]
-        self.v[layer][rows, :, positions] = v.transpose(1, 2)
+        # k, v: [b, hkv, s, d]; slots [b]; positions [b, s] -> cache[slot, h, pos] = k[:, h]
+        # Every leading axis gets an index, so the scatter runs in the cache's own layout (indexing
+        # with a slice in the middle would move the advanced axes first: XLA then copies the whole
+        # cache into that layout and back on every step).
+        b, h, s, _ = k.shape
+        index = (slots.view(b, 1, 1).expand(b, h, s), torch.arange(h, device=k.device).view(1, h, 1).expand(b, h, s),
+                 positions.view(b, 1, s).expand(b, h, s))
+        self.k[layer].index_put_(index, k)
+        self.v[layer].index_put_(index, v)
 
     def prefill(self, slots: torch.Tensor, positions: torch.Tensor) -> "PrefillView":
         """A view writing ``[b, s]`` prompt positions into ``slots [b]``."""

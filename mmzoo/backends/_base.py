@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -29,6 +31,29 @@ class AttentionBackend:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+    def folded_mask(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool, q_segment_ids, kv_segment_ids,
+                    q_positions, kv_lengths) -> torch.Tensor | None:
+        """:func:`visibility_mask` folded for GQA (:func:`fold_gqa`), built once per forward.
+
+        Every layer of a forward passes the same position / segment / length tensors, so the mask
+        of the previous call is reused while those are the same objects (the memo holds them, so
+        their identities stay valid). On XLA this keeps the traced graph smaller.
+        """
+        b, hq, sq, _ = q.shape
+        skv, groups = k.shape[2], hq // k.shape[1]
+        key = (b, sq, skv, groups, causal, str(q.device), q_segment_ids, kv_segment_ids, q_positions, kv_lengths)
+        memo = getattr(self, "_mask_memo", None)
+        if memo is not None and len(memo[0]) == len(key) and all(
+                a is c if isinstance(a, torch.Tensor) or isinstance(c, torch.Tensor) else a == c
+                for a, c in zip(memo[0], key)):
+            return memo[1]
+        mask = visibility_mask(b, sq, skv, q.device, causal=causal, q_segment_ids=q_segment_ids,
+                               kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_lengths=kv_lengths)
+        if mask is not None and groups > 1:
+            mask = mask.unsqueeze(2).expand(b, 1, groups, sq, skv).reshape(b, 1, groups * sq, skv)
+        self._mask_memo = (key, mask)
+        return mask
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -81,23 +106,19 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
 
 
-def fold_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+def fold_gqa(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """GQA without repeating kv heads: the ``groups`` query heads that share a kv head become
     extra query rows of it, so every key is read in place (no per-step copy of the KV cache).
 
-    ``q [b, hq, sq, d]`` -> ``[b, hkv, groups * sq, d]``; ``mask [b, 1, sq, skv]`` -> ``[b, 1,
-    groups * sq, skv]``. Returns ``(q, mask, unfold)`` where ``unfold(out)`` restores ``[b, hq, sq, d]``.
-    Query head ``i`` uses kv head ``i // groups``, as :func:`repeat_kv` does.
+    ``q [b, hq, sq, d]`` -> ``[b, hkv, groups * sq, d]`` (the matching mask is
+    :meth:`AttentionBackend.folded_mask`). Returns ``(q, unfold)`` where ``unfold(out)`` restores
+    ``[b, hq, sq, d]``. Query head ``i`` uses kv head ``i // groups``, as :func:`repeat_kv` does.
     """
-    check_inputs(q, k, v)
     b, hq, sq, d = q.shape
     groups = hq // k.shape[1]
     if groups == 1:
-        return q, mask, lambda out: out
-    if mask is not None:
-        skv = mask.shape[-1]
-        mask = mask.unsqueeze(2).expand(b, 1, groups, sq, skv).reshape(b, 1, groups * sq, skv)
-    return q.reshape(b, k.shape[1], groups * sq, d), mask, lambda out: out.reshape(b, hq, sq, out.shape[-1])
+        return q, lambda out: out
+    return q.reshape(b, k.shape[1], groups * sq, d), lambda out: out.reshape(b, hq, sq, out.shape[-1])
 
 
 def checked_full_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmzoo.backends._base import AttentionBackend, check_inputs, fold_gqa, visibility_mask
+from mmzoo.backends._base import AttentionBackend, check_inputs, fold_gqa
 
 
 class EagerAttention(AttentionBackend):
@@ -15,12 +15,9 @@ class EagerAttention(AttentionBackend):
     def __call__(self, q, k, v, *, scale, causal=False, q_segment_ids=None, kv_segment_ids=None,
                  q_positions=None, kv_lengths=None):
         check_inputs(q, k, v)
-        b, _, sq, _ = q.shape
-        skv = k.shape[2]
-        mask = visibility_mask(b, sq, skv, q.device, causal=causal, q_segment_ids=q_segment_ids,
-                               kv_segment_ids=kv_segment_ids, q_positions=q_positions,
-                               kv_lengths=kv_lengths)
-        q, mask, unfold = fold_gqa(q, k, v, mask)  # GQA: query heads of a kv head as its extra rows
+        mask = self.folded_mask(q, k, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                q_positions=q_positions, kv_lengths=kv_lengths)
+        q, unfold = fold_gqa(q, k)  # GQA: query heads of a kv head as its extra rows
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [b, hkv, groups * sq, skv]
         if mask is not None:
             scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mmzoo.backends._base import AttentionBackend, check_inputs, fold_gqa, visibility_mask
+from mmzoo.backends._base import AttentionBackend, check_inputs, fold_gqa
 
 
 class SDPAAttention(AttentionBackend):
@@ -17,15 +17,14 @@ class SDPAAttention(AttentionBackend):
     def __call__(self, q, k, v, *, scale, causal=False, q_segment_ids=None, kv_segment_ids=None,
                  q_positions=None, kv_lengths=None):
         check_inputs(q, k, v)
-        b, _, sq, _ = q.shape
-        skv = k.shape[2]
+        sq, skv = q.shape[2], k.shape[2]
         if causal and sq == skv and q_positions is None and q_segment_ids is None \
                 and kv_segment_ids is None and kv_lengths is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                   enable_gqa=q.shape[1] != k.shape[1])
-        mask = visibility_mask(b, sq, skv, q.device, causal=causal, q_segment_ids=q_segment_ids,
-                               kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_lengths=kv_lengths)
-        q, mask, unfold = fold_gqa(q, k, v, mask)
+        mask = self.folded_mask(q, k, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                q_positions=q_positions, kv_lengths=kv_lengths)
+        q, unfold = fold_gqa(q, k)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         if mask is not None:
             # SDPA gives NaN for a row with no visible key; the contract says zeros.

@@ -24,14 +24,20 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
 
-    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor):
-        # k, v: [b, hkv, s, d]; slots [b]; positions [b, s] -> cache[slot, h, pos] = k[:, h]
-        # Every leading axis gets an index, so the scatter runs in the cache's own layout (indexing
-        # with a slice in the middle would move the advanced axes first: XLA then copies the whole
-        # cache into that layout and back on every step).
-        b, h, s, _ = k.shape
-        index = (slots.view(b, 1, 1).expand(b, h, s), torch.arange(h, device=k.device).view(1, h, 1).expand(b, h, s),
-                 positions.view(b, 1, s).expand(b, h, s))
+    @staticmethod
+    def write_index(slots: torch.Tensor, positions: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, ...]:
+        """``(slot, head, position)`` indices ``[b, hkv, s]`` for writing ``[b, hkv, s, d]`` keys.
+
+        Every leading axis gets an index, so the scatter runs in the cache's own layout (indexing
+        with a slice in the middle would move the advanced axes first: XLA then copies the whole
+        cache into that layout and back on every step)."""
+        b, s = positions.shape
+        shape = (b, num_heads, s)
+        heads = torch.arange(num_heads, device=positions.device).view(1, num_heads, 1)
+        return slots.view(b, 1, 1).expand(shape), heads.expand(shape), positions.view(b, 1, s).expand(shape)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, index: tuple[torch.Tensor, ...]):
+        # k, v: [b, hkv, s, d] -> cache[slot, h, pos] = k[:, h]
         self.k[layer].index_put_(index, k)
         self.v[layer].index_put_(index, v)
 
@@ -49,19 +55,24 @@ class PrefillView:
 
     def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor):
         self.cache, self.slots, self.positions = cache, slots, positions
+        self._index = None  # built by the first layer, reused by the others
+
+    def index(self, num_heads: int) -> tuple[torch.Tensor, ...]:
+        if self._index is None:
+            self._index = KVCache.write_index(self.slots, self.positions, num_heads)
+        return self._index
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        self.cache._write(layer, k, v, self.slots, self.positions)
+        self.cache._write(layer, k, v, self.index(k.shape[1]))
         return k, v
 
 
-class DecodeView:
+class DecodeView(PrefillView):
     """Write new tokens of every slot and attend over the whole cache."""
 
     def __init__(self, cache: KVCache, positions: torch.Tensor):
-        self.cache, self.positions = cache, positions
-        self.slots = torch.arange(cache.num_slots, device=positions.device)
+        super().__init__(cache, torch.arange(cache.num_slots, device=positions.device), positions)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        self.cache._write(layer, k, v, self.slots, self.positions)
+        self.cache._write(layer, k, v, self.index(k.shape[1]))
         return self.cache.k[layer], self.cache.v[layer]

@@ -531,6 +531,12 @@ def run(cfg: DictConfig) -> dict:
     reuse.clear()
     sweep_rows.sort(key=lambda r: (r["batch"], SYSTEMS.index(r["system"])))
 
+    # -- tensor-parallel sweep (sweep.tp; a process per point: mmzoo/_bench_mesh.py) ---------------
+    from mmzoo import _bench_mesh
+
+    tp_rows = _bench_mesh.sweep(cfg, checkpoint, text, say) if cfg.sweep.get("tp") else []
+    result["tp_sweep"] = tp_rows
+
     # -- roofline --------------------------------------------------------------------------------
     bandwidth.append(copy_bandwidth(cfg.roofline.copy_mb, cfg.roofline.repeats))
     bw = max(bandwidth)
@@ -549,6 +555,7 @@ def run(cfg: DictConfig) -> dict:
         result["model"]["kv_cache_bytes_main"] = kv_bytes_main
 
     _print_sweeps(image_rows, sweep_rows, systems)
+    _bench_mesh.print_sweep(tp_rows)
     _print_roofline(roofline, lm_info, cfg.dtype)
     if profile:
         _print_profile(profile)

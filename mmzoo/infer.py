@@ -106,7 +106,8 @@ def run(cfg: DictConfig) -> list[dict]:
     # towers are built only when some request has raw media: embeds-only and text-only runs skip them
     towers = any(isinstance(r, Request) and (r.images or r.videos or getattr(r, "audios", None)) for r in requests)
     engine = load(cfg.checkpoint, model=family, executor=executor, attention=attention, dtype=cfg.dtype,
-                  towers=towers, allow_fingerprint_mismatch=bool(cfg.allow_fingerprint_mismatch), verbose=True)
+                  towers=towers, allow_fingerprint_mismatch=bool(cfg.allow_fingerprint_mismatch), verbose=True,
+                  mesh=cfg.get("mesh"))
     if not towers:
         print("mmzoo: no raw media in the requests; the encoder towers are not loaded", file=sys.stderr)
     print(f"mmzoo: checkpoint {engine.checkpoint}", file=sys.stderr)

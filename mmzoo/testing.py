@@ -26,6 +26,9 @@ __all__ = [
     "chat_template",
     "synthetic_corpus",
     "train_tokenizer",
+    "qwen2_vl_config",
+    "generation_config",
+    "save_processor",
     "make_tiny_qwen2_vl",
     "make_image",
 ]
@@ -209,12 +212,9 @@ def _reinit_(model: torch.nn.Module, *, seed: int, std: float) -> None:
             param.copy_(noise + 1.0 if id(param) in norms else noise)
 
 
-def make_tiny_qwen2_vl(
-    path: str | Path,
+def qwen2_vl_config(
+    tokenizer,
     *,
-    seed: int = 0,
-    tokenizer_seed: int = 0,
-    tokenizer_vocab_size: int = 768,
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
@@ -230,32 +230,16 @@ def make_tiny_qwen2_vl(
     patch_size: int = 14,
     spatial_merge_size: int = 2,
     temporal_patch_size: int = 2,
-    min_pixels: int = 28 * 28,
-    max_pixels: int = 224 * 224,
-    init_std: float = 0.1,
+    init_std: float = 0.02,
     vocab_multiple: int = 64,
-    default_system: str | None = DEFAULT_SYSTEM,
-    max_shard_size: str | int | None = None,
-) -> Path:
-    """Builds and saves a random tiny ``Qwen2VLForConditionalGeneration`` with its processor.
-
-    The directory holds ``config.json``, ``generation_config.json`` (eos ``<|im_end|>``),
-    ``model.safetensors`` (or shards plus ``model.safetensors.index.json``), the tokenizer, the
-    image and video processor configs and ``chat_template.jinja``, all written by transformers'
-    ``save_pretrained``; it loads back offline with ``AutoProcessor.from_pretrained`` and
-    ``Qwen2VLForConditionalGeneration.from_pretrained``. The same arguments give the same bytes of
-    weights.
+):
+    """A ``Qwen2VLConfig`` of the given sizes whose token ids are those of ``tokenizer``.
 
     Args:
-        path: output directory (created; existing files are overwritten).
-        seed: seeds the weights.
-        tokenizer_seed: seeds the tokenizer's corpus; kept apart from ``seed`` so that
-            checkpoints of different seeds share one tokenizer (same prompt ids).
-        tokenizer_vocab_size: upper bound on the BPE vocabulary (see :func:`train_tokenizer`).
+        tokenizer: a tokenizer from :func:`train_tokenizer` (it supplies the control-token ids).
         vocab_multiple: the model's vocab is the tokenizer's length rounded up to a multiple of
             this, so that rows past the tokenizer exist, as on the hub (Qwen2-VL: 151936 rows for
-            151657 tokens). Those rows are zero in ``lm_head`` and the embedding, so greedy
-            decoding never produces an id the tokenizer cannot decode.
+            151657 tokens).
         hidden_size: LM width, also the vision merger's output width.
         num_layers: LM decoder layers.
         num_heads: LM query heads.
@@ -272,23 +256,15 @@ def make_tiny_qwen2_vl(
         patch_size: ViT spatial patch size in pixels.
         spatial_merge_size: side of the square of patches the merger fuses into one LM token.
         temporal_patch_size: frames per patch (an image is repeated to fill it).
-        min_pixels: image processor's lower bound on resized area (``size["shortest_edge"]``).
-        max_pixels: image processor's upper bound on resized area (``size["longest_edge"]``).
-        init_std: standard deviation of the random weights (also written as the configs'
-            ``initializer_range``); large enough (vs transformers' 0.02) that logits are far from
-            uniform and greedy decoding is not decided by float noise: with the defaults the
-            top-1/top-2 logit gap over greedy steps has a median near 0.2 and rarely goes below 1e-3.
-        default_system: system message the chat template adds when none is given (``None``: none).
-        max_shard_size: passed to ``save_pretrained`` (e.g. ``"100KB"``) to write sharded weights.
+        init_std: the configs' ``initializer_range`` (transformers' init draws from it).
 
     Returns:
-        ``path`` as a ``Path``.
+        The config.
 
     Raises:
         ValueError: if the head sizes or ``mrope_section`` do not fit together.
     """
-    from transformers import (GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration,
-                              Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor)
+    from transformers import Qwen2VLConfig
 
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(f"hidden_size={hidden_size}, num_heads={num_heads}, num_kv_heads={num_kv_heads}: "
@@ -303,13 +279,9 @@ def make_tiny_qwen2_vl(
     if len(mrope_section) != 3 or sum(mrope_section) != half:
         raise ValueError(f"mrope_section={list(mrope_section)} must have 3 parts summing to head_dim // 2 = {half}")
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(tokenizer_vocab_size, seed=tokenizer_seed)
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
     vocab_size = -(-len(tokenizer) // vocab_multiple) * vocab_multiple
-
-    config = Qwen2VLConfig(
+    return Qwen2VLConfig(
         text_config=dict(
             vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
             num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
@@ -329,23 +301,115 @@ def make_tiny_qwen2_vl(
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=tie_word_embeddings,
     )
+
+
+def generation_config(tokenizer):
+    """Greedy decoding that stops at ``<|im_end|>`` (``generation_config.json``)."""
+    from transformers import GenerationConfig
+
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    return GenerationConfig(bos_token_id=pad, eos_token_id=eos, pad_token_id=pad, do_sample=False)
+
+
+def save_processor(
+    path: str | Path,
+    tokenizer,
+    config,
+    *,
+    min_pixels: int = 28 * 28,
+    max_pixels: int = 224 * 224,
+    default_system: str | None = DEFAULT_SYSTEM,
+):
+    """Writes the Qwen2-VL processor of a checkpoint: tokenizer, image and video processor configs,
+    ``chat_template.jinja``.
+
+    Args:
+        path: the checkpoint directory.
+        tokenizer: the checkpoint's tokenizer (from :func:`train_tokenizer`).
+        config: the checkpoint's ``Qwen2VLConfig``: patch, temporal patch and merge sizes.
+        min_pixels: image processor's lower bound on resized area (``size["shortest_edge"]``).
+        max_pixels: image processor's upper bound on resized area (``size["longest_edge"]``).
+        default_system: system message the chat template adds when none is given (``None``: none).
+
+    Returns:
+        The ``Qwen2VLProcessor`` that was saved.
+    """
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    vc = config.vision_config
+    vision_kwargs = dict(size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, patch_size=vc.patch_size,
+                         temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size)
+    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**vision_kwargs), tokenizer=tokenizer,
+                                 video_processor=Qwen2VLVideoProcessor(**vision_kwargs, cap_pixels_per_frame=True),
+                                 chat_template=chat_template(default_system))
+    processor.save_pretrained(path)
+    return processor
+
+
+def make_tiny_qwen2_vl(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    tokenizer_seed: int = 0,
+    tokenizer_vocab_size: int = 768,
+    min_pixels: int = 28 * 28,
+    max_pixels: int = 224 * 224,
+    init_std: float = 0.1,
+    default_system: str | None = DEFAULT_SYSTEM,
+    max_shard_size: str | int | None = None,
+    **sizes,
+) -> Path:
+    """Builds and saves a random tiny ``Qwen2VLForConditionalGeneration`` with its processor.
+
+    The directory holds ``config.json``, ``generation_config.json`` (eos ``<|im_end|>``),
+    ``model.safetensors`` (or shards plus ``model.safetensors.index.json``), the tokenizer, the
+    image and video processor configs and ``chat_template.jinja``, all written by transformers'
+    ``save_pretrained``; it loads back offline with ``AutoProcessor.from_pretrained`` and
+    ``Qwen2VLForConditionalGeneration.from_pretrained``. The same arguments give the same bytes of
+    weights.
+
+    Args:
+        path: output directory (created; existing files are overwritten).
+        seed: seeds the weights.
+        tokenizer_seed: seeds the tokenizer's corpus; kept apart from ``seed`` so that
+            checkpoints of different seeds share one tokenizer (same prompt ids).
+        tokenizer_vocab_size: upper bound on the BPE vocabulary (see :func:`train_tokenizer`).
+        min_pixels: image processor's lower bound on resized area (``size["shortest_edge"]``).
+        max_pixels: image processor's upper bound on resized area (``size["longest_edge"]``).
+        init_std: standard deviation of the random weights (also written as the configs'
+            ``initializer_range``); large enough (vs transformers' 0.02) that logits are far from
+            uniform and greedy decoding is not decided by float noise: with the defaults the
+            top-1/top-2 logit gap over greedy steps has a median near 0.2 and rarely goes below 1e-3.
+        default_system: system message the chat template adds when none is given (``None``: none).
+        max_shard_size: passed to ``save_pretrained`` (e.g. ``"100KB"``) to write sharded weights.
+        sizes: the model's sizes, passed to :func:`qwen2_vl_config` (``hidden_size=64``,
+            ``num_layers=2``, ``vision_embed_dim=32``, ..., ``vocab_multiple=64``). The rows past
+            the tokenizer are zero in ``lm_head`` and the embedding, so greedy decoding never
+            produces an id the tokenizer cannot decode.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        ValueError: if the head sizes or ``mrope_section`` do not fit together.
+    """
+    from transformers import Qwen2VLForConditionalGeneration
+
+    path = Path(path)
+    tokenizer = train_tokenizer(tokenizer_vocab_size, seed=tokenizer_seed)
+    config = qwen2_vl_config(tokenizer, init_std=init_std, **sizes)
+    path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).eval()
     _reinit_(model, seed=seed, std=init_std)
     with torch.no_grad():  # rows past the tokenizer: never produced (logit 0 loses to the max), never decoded
         model.get_output_embeddings().weight[len(tokenizer):] = 0.0
         model.get_input_embeddings().weight[len(tokenizer):] = 0.0
-    model.generation_config = GenerationConfig(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                                               pad_token_id=ids["<|endoftext|>"], do_sample=False)
+    model.generation_config = generation_config(tokenizer)
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **save_kwargs)
-
-    vision_kwargs = dict(size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, patch_size=patch_size,
-                         temporal_patch_size=temporal_patch_size, merge_size=spatial_merge_size)
-    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**vision_kwargs), tokenizer=tokenizer,
-                                 video_processor=Qwen2VLVideoProcessor(**vision_kwargs, cap_pixels_per_frame=True),
-                                 chat_template=chat_template(default_system))
-    processor.save_pretrained(path)
+    save_processor(path, tokenizer, config, min_pixels=min_pixels, max_pixels=max_pixels,
+                   default_system=default_system)
     return path
 
 

@@ -9,10 +9,10 @@ from hydra.utils import instantiate
 
 from mmzoo import _registry
 from mmzoo.backends import AttentionBackend
-from mmzoo.executor import Executor
+from mmzoo.executor import Executor, MeshSpec
 
 CONF = str(_registry.CONF_DIR)
-GROUPS = ["model", "attention", "executor"]
+GROUPS = ["model", "attention", "executor", "mesh"]
 
 
 def compose_infer(*overrides: str):
@@ -28,6 +28,8 @@ def test_every_option_composes_and_builds(group, name):
         assert isinstance(obj, AttentionBackend) and obj.name == name
     elif group == "executor":
         assert isinstance(obj, Executor) and obj.name == name
+    elif group == "mesh":
+        assert isinstance(obj, MeshSpec) and obj.spmd == (name != "single")
     else:
         assert obj.name == name and obj.architectures
 

@@ -15,6 +15,7 @@ Inference only: no autograd through the kernels.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import jax
@@ -104,6 +105,17 @@ class PallasAttention(AttentionBackend):
         else:
             self._embed = functools.partial(_call_jax_without_torchax, self._xb)
 
+    _spmd = None  # a device mesh (mmzoo.executor._sharding.DeviceMesh) after partitioned()
+
+    def partitioned(self, mesh) -> "PallasAttention":
+        """This backend, run per shard under torch_xla SPMD: GSPMD cannot split a Pallas kernel, so
+        on xla tensors each call runs on the local heads (and batch) of every device, through
+        ``mesh.per_shard``; torch_xla's ``flash_attention`` gets ``mesh.flash_kwargs``
+        (``partition_spec``, ``mesh``). Called by the XLA executor when it is given a mesh."""
+        out = copy.copy(self)
+        out._spmd = mesh
+        return out
+
     def __repr__(self) -> str:
         return (f"PallasAttention(interpret={self.interpret}, block_q={self.block_q}, "
                 f"block_kv={self.block_kv}, decode_max_q={self.decode_max_q})")
@@ -137,7 +149,7 @@ class PallasAttention(AttentionBackend):
                 hq, hkv, sq, skv, q_positions, kv_lengths, q_segment_ids, kv_segment_ids):
             seg = None if q_segment_ids is None else q_segment_ids.to(torch.int32)
             return self._xla_flash(q, k, v, causal=causal, q_segment_ids=seg, kv_segment_ids=seg,
-                                   sm_scale=float(scale))
+                                   sm_scale=float(scale), **({} if self._spmd is None else self._spmd.flash_kwargs(q)))
 
         ints = [None if t is None else t.to(torch.int32) for t in (q_positions, kv_lengths)]
         decode = sq <= self.decode_max_q and q_segment_ids is None
@@ -153,6 +165,8 @@ class PallasAttention(AttentionBackend):
         if on_xla:
             if self._embed is None:
                 raise RuntimeError("pallas attention: xla tensors but torch_xla is not importable")
+            if self._spmd is not None:  # one kernel per shard, on its local heads
+                return self._spmd.per_shard(lambda local: self._embed(fn, tuple(local), static), tensors)
             return self._embed(fn, tensors, static)
         if q.device.type != "cpu":
             raise ValueError(f"pallas attention runs on xla or cpu tensors, got {q.device}")

@@ -109,6 +109,10 @@ class Executor:
     def describe(self) -> str:
         return self.name
 
+    def shard(self) -> None:
+        """Annotate the placed weights and KV cache with a device-mesh sharding (the XLA executor
+        with a mesh: :mod:`mmzoo.executor._sharding`); called by setup() before they materialize."""
+
     # -- setup ---------------------------------------------------------------------------
     def setup(self, model, *, dtype: str = "float32", eos_token_ids=()) -> None:
         """Place ``model`` on the device in ``dtype``; allocate the KV cache and the media buffer."""
@@ -125,6 +129,7 @@ class Executor:
                              max_len=self.max_model_len, head_dim=lm.head_dim, dtype=self.dtype, device=dev)
         self.media = torch.zeros(self.max_media_rows(), lm.dim, dtype=self.dtype, device=dev)
         self.eos = set(int(e) for e in eos_token_ids)
+        self.shard()
         self.step_done()  # materialize weights and buffers, so no step graph contains their creation
 
     def _tensor(self, array, dtype=None) -> torch.Tensor:

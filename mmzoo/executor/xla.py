@@ -91,8 +91,8 @@ class XLAExecutor(Executor):
         super().setup(model, dtype=dtype, eos_token_ids=eos_token_ids)
         transpose = self.transpose_weights
         if transpose == "auto":
-            transpose = os.environ.get("PJRT_DEVICE") == "CPU" and getattr(self, 'sharding', None) is None
-        if transpose and getattr(self, 'sharding', None) is not None:
+            transpose = os.environ.get("PJRT_DEVICE") == "CPU" and self.sharding is None
+        if transpose and self.sharding is not None:
             raise ValueError("transpose_weights=true is not supported with a device mesh (the sharding rules "
                              "name [out, in] weights); use auto or false")
         if transpose:
@@ -145,7 +145,30 @@ class XLAExecutor(Executor):
                 warnings.warn(msg, stacklevel=2)
 
     def describe(self) -> str:
-        return f"xla (PJRT_DEVICE={os.environ.get('PJRT_DEVICE')}, device {self.device()})"
+        # the device count, not torch_xla.device(): asking for the device would fix the process to
+        # non-SPMD before a mesh can be set up (infer prints this before loading)
+        import torch_xla.runtime as xr
+
+        n = xr.global_runtime_device_count()
+        mesh = f", {self.sharding.describe()}" if self.sharding is not None else ""
+        return f"xla (PJRT_DEVICE={os.environ.get('PJRT_DEVICE')}, {n} device{'s' if n > 1 else ''}{mesh})"
+
+    # -- sharding over a device mesh (torch_xla SPMD: mmzoo/executor/_sharding.py) --------------
+    sharding = None  # a DeviceMesh after use_mesh()
+
+    def use_mesh(self, mesh, model) -> None:
+        """Split ``model`` (built, not yet placed) over ``mesh`` (a :class:`MeshSpec`): validates the
+        mesh against the model's heads, ``max_batch`` and the devices, then turns SPMD on. Call
+        before :meth:`setup`, which then annotates the weights and the KV cache."""
+        from mmzoo.executor._sharding import DeviceMesh, ShardingPlan
+
+        if self.model is not None:
+            raise RuntimeError("use_mesh() must come before setup()")
+        self.sharding = DeviceMesh(ShardingPlan(mesh, model, max_batch=self.max_batch))
+
+    def shard(self) -> None:
+        if self.sharding is not None:
+            self.sharding.place(self.model, self.cache)
 
     # -- warmup ----------------------------------------------------------------------------
     def warmup(self, dummy_media=None) -> float:

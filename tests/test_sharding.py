@@ -1,0 +1,220 @@
+"""Sharding tier: tensor and data parallelism over a device mesh with torch_xla SPMD.
+
+SPMD is process-wide and must be on before the first XLA tensor, with ``CPU_NUM_DEVICES`` set
+before torch_xla starts, so every sharded engine runs in one subprocess on 4 virtual CPU devices
+(``tests/_spmd_worker.py``, started once for the module) that writes its findings as JSON. The
+single-device reference is computed there too, by the eager executor (plain CPU tensors, which
+SPMD leaves alone; the unsharded XLA executor matches it token for token, test_executor.py).
+
+Checked: greedy tokens identical to the reference for tp=2 (every attention backend), tp=4 and
+dp=2 x tp=2 on Qwen2-VL, Llava at tp=2, Qwen2-Audio at dp=2 x tp=2; no graph compiled after
+warmup; the sharding of each weight and of the KV cache. Bad meshes are checked in this process:
+they fail before SPMD is switched on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import mmzoo
+from mmzoo import _registry
+from mmzoo.errors import MmzooError
+from mmzoo.executor import MeshSpec
+from mmzoo.executor._sharding import ShardingPlan, mesh_option
+from mmzoo.testing import make_image, make_tiny_qwen2_vl
+from mmzoo.testing_zoo import make_audio, make_tiny_llava, make_tiny_qwen2_audio, write_wav
+
+GEN = {"max_new_tokens": 8, "ignore_eos": True}
+QWEN2_VL_XLA = {"max_model_len": 128, "max_batch": 2, "prefill_buckets": [64], "encoder_buckets": {"vision": [64]},
+                "min_encoder_rows": 64, "max_encoder_rows": 64}
+LLAVA_XLA = dict(QWEN2_VL_XLA, encoder_buckets={"vision": [1]})
+AUDIO_XLA = dict(QWEN2_VL_XLA, max_model_len=160, prefill_buckets=[128], encoder_buckets={"audio": [2]})
+# (name, family, mesh, attention): every backend at tp=2, then the other meshes, then the other families
+CASES = [("qwen2_vl-tp2-sdpa", "qwen2_vl", {"model": 2}, "sdpa"),
+         ("qwen2_vl-tp2-eager", "qwen2_vl", {"model": 2}, "eager"),
+         ("qwen2_vl-tp2-pallas", "qwen2_vl", {"model": 2}, "pallas"),
+         ("qwen2_vl-tp4-pallas", "qwen2_vl", {"model": 4}, "pallas"),  # 2 kv heads < 4: replicated
+         ("qwen2_vl-dp2tp2-sdpa", "qwen2_vl", {"data": 2, "model": 2}, "sdpa"),
+         ("llava-tp2-eager", "llava", {"model": 2}, "eager"),
+         ("qwen2_audio-dp2tp2-pallas", "qwen2_audio", {"data": 2, "model": 2}, "pallas")]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Tiny checkpoints whose towers have 4 heads (so tp=4 divides them) where a case needs it."""
+    root = tmp_path_factory.mktemp("spmd")
+    return {"qwen2_vl": make_tiny_qwen2_vl(root / "qwen2_vl", seed=0, vision_num_heads=4),
+            "llava": make_tiny_llava(root / "llava", seed=0),
+            "qwen2_audio": make_tiny_qwen2_audio(root / "qwen2_audio", seed=0)}
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spmd_media")
+    images = []
+    for i, (w, h) in enumerate([(56, 84), (56, 56)]):
+        images.append(str(root / f"img{i}.png"))
+        make_image(w, h, seed=i).save(images[-1])
+    audios = [str(write_wav(root / "a0.wav", make_audio(0.6, seed=0))),
+              str(write_wav(root / "a1.wav", make_audio(1.2, seed=1)))]
+    return {"images": images, "audios": audios}
+
+
+def requests_for(family: str, media) -> list[dict]:
+    """Three requests through two slots (one reuses a freed slot), with and without media."""
+    kind = "audios" if family == "qwen2_audio" else "images"
+    return [{"prompt": "what is in this", kind: media[kind][:1], **GEN},
+            {"prompt": "hello there friend", **GEN},
+            {"prompt": "describe it", kind: media[kind][1:], **GEN}]
+
+
+@pytest.fixture(scope="module")
+def spmd(ckpts, media, tmp_path_factory):
+    """Runs every case in one subprocess on 4 virtual CPU devices; ``{"cases": {name: record}}``."""
+    root = tmp_path_factory.mktemp("spmd_run")
+    executor = {"qwen2_vl": QWEN2_VL_XLA, "llava": LLAVA_XLA, "qwen2_audio": AUDIO_XLA}
+    cases = [{"name": name, "checkpoint": str(ckpts[family]), "mesh": mesh, "attention": attention,
+              "executor": executor[family], "requests": requests_for(family, media)}
+             for name, family, mesh, attention in CASES]
+    (root / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    worker = Path(__file__).with_name("_spmd_worker.py")
+    p = subprocess.run([sys.executable, str(worker), str(root / "cases.json"), str(root / "out.json")],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = json.loads((root / "out.json").read_text())
+    assert out["devices"] == 4
+    return out
+
+
+def _case(spmd, name: str) -> dict:
+    rec = spmd["cases"][name]
+    assert "exception" not in rec, rec["exception"]
+    return rec
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_sharded_tokens_equal_single_device(spmd, name):
+    rec = _case(spmd, name)
+    assert not rec["errors"]
+    assert rec["tokens"] == rec["reference"] and all(len(t) == GEN["max_new_tokens"] for t in rec["tokens"])
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_no_graph_compiles_after_warmup(spmd, name):
+    rec = _case(spmd, name)
+    assert rec["compiled_during_run"] == 0 and rec["graphs_after_warmup"] == [0, 0, 0]
+
+
+def test_pallas_runs_per_shard(spmd):
+    for name in (c[0] for c in CASES):
+        want = ["PallasAttention"] if name.endswith("pallas") else []
+        assert _case(spmd, name)["partitioned_backends"] == want, name
+
+
+def tiles(spec: str, ndim: int) -> tuple[int, ...]:
+    """The per-dimension tile counts of an HLO sharding (``{replicated}`` -> all ones)."""
+    if spec == "{replicated}":
+        return (1,) * ndim
+    m = re.match(r"\{devices=\[([\d,]+)\]", spec)
+    assert m, spec
+    return tuple(int(x) for x in m.group(1).split(","))[:ndim]
+
+
+def test_weight_shardings_at_tp4(spmd):
+    rec = _case(spmd, "qwen2_vl-tp4-pallas")
+    assert "kv heads replicated" in rec["describe"]
+    specs = rec["specs"]
+    column, row, rep = (4, 1), (1, 4), (1, 1)
+    want = {"lm.embed_tokens.weight": column, "lm.lm_head.weight": column,
+            "lm.layers.0.attn.q_proj.weight": column, "lm.layers.0.attn.q_proj.bias": (4,),
+            "lm.layers.0.attn.k_proj.weight": rep, "lm.layers.0.attn.v_proj.bias": (1,),  # 2 kv heads < 4
+            "lm.layers.0.attn.o_proj.weight": row,
+            "lm.layers.1.mlp.gate_proj.weight": column, "lm.layers.1.mlp.up_proj.weight": column,
+            "lm.layers.1.mlp.down_proj.weight": row, "lm.layers.0.norm1.weight": (1,), "lm.norm.weight": (1,),
+            "towers.vision.encoder.blocks.0.attn.k_proj.weight": column,  # 4 heads, 4 kv heads: split
+            "towers.vision.encoder.blocks.0.attn.o_proj.weight": row,
+            "towers.vision.encoder.blocks.0.attn.o_proj.bias": (1,),
+            "towers.vision.encoder.blocks.1.mlp.fc1.weight": column, "towers.vision.encoder.blocks.1.mlp.fc2.weight": row,
+            "towers.vision.encoder.blocks.0.norm1.weight": (1,),
+            "towers.vision.encoder.patch_embed.proj.weight": (1, 1, 1, 1, 1),
+            "towers.vision.adapter.mlp.0.weight": column, "towers.vision.adapter.mlp.2.weight": row,
+            "towers.vision.adapter.ln_q.weight": (1,)}
+    for name, tile in want.items():
+        assert tiles(specs[name], len(tile)) == tile, (name, specs[name])
+    assert all(name in specs for name in want) and len(specs) > len(want)
+    assert rec["cache_spec"] == "{replicated}"  # [slots, kv heads, len, d]: kv heads replicated, data=1
+
+
+def test_kv_cache_sharding(spmd):
+    assert tiles(_case(spmd, "qwen2_vl-tp2-sdpa")["cache_spec"], 4) == (1, 2, 1, 1)  # + 2 replicas
+    assert "2 replicas" in _case(spmd, "qwen2_vl-tp2-sdpa")["describe"]
+    assert tiles(_case(spmd, "qwen2_vl-dp2tp2-sdpa")["cache_spec"], 4) == (2, 2, 1, 1)
+    audio = _case(spmd, "qwen2_audio-dp2tp2-pallas")["specs"]
+    assert tiles(audio["towers.audio.encoder.blocks.0.attn.q_proj.weight"], 2) == (2, 1)
+    assert tiles(audio["towers.audio.encoder.conv1.weight"], 3) == (1, 1, 1)
+
+
+# ---------------------------------------------------------------- bad meshes (this process, no SPMD)
+
+def test_mesh_config_group():
+    assert {"single", "tp", "dp_tp"} <= set(_registry.options("mesh"))
+    with initialize_config_dir(config_dir=str(_registry.CONF_DIR), version_base=None):
+        cfg = compose(config_name="infer", overrides=["mesh=tp", "mesh.model=4"])
+        assert mesh_option(cfg.mesh) == MeshSpec(data=1, model=4)
+        assert mesh_option(compose(config_name="infer").mesh) == MeshSpec()  # the default: single, no SPMD
+    assert not mesh_option("single").spmd and mesh_option("dp_tp") == MeshSpec(data=2, model=2)
+    assert mesh_option({"model": 2}) == MeshSpec(model=2)
+    with pytest.raises(MmzooError, match=r"mesh.model=0 must be a positive integer"):
+        MeshSpec(model=0)
+    with pytest.raises(MmzooError, match=r"unknown fields \['tensor'\]"):
+        mesh_option({"tensor": 2})
+
+
+def test_heads_not_divisible(ckpts):
+    with pytest.raises(MmzooError, match=r"mesh.model=8 does not divide num_heads=4 of lm.layers.0"):
+        mmzoo.load(ckpts["qwen2_vl"], executor="xla", mesh={"model": 8}, warmup=False)
+    # Llava's LM has 4 heads (2 kv heads: replicated at model=4), its CLIP tower 2
+    with pytest.raises(MmzooError, match=r"mesh.model=4 does not divide num_heads=2 of towers.vision.encoder.blocks.0"):
+        ShardingPlan(MeshSpec(model=4), _built(ckpts["llava"]), max_batch=2)
+
+
+def _built(ckpt):
+    """The family's modules for ``ckpt`` (random weights; structure only)."""
+    from mmzoo.backends import SDPAAttention
+    from mmzoo.engine import read_config
+
+    config, arch = read_config(ckpt)
+    family = _registry.family_for(arch)
+    return family.build(config, SDPAAttention())
+
+
+def test_kv_heads_neither_divides():
+    from mmzoo.layers import rope_1d
+    from mmzoo.lms import DecoderLM
+    from mmzoo.backends import SDPAAttention
+    from mmzoo.models import MultimodalLM
+
+    lm = DecoderLM(vocab_size=64, dim=48, num_layers=1, num_heads=6, num_kv_heads=3, head_dim=8, intermediate_dim=32,
+                   rotary=rope_1d(8, 10000.0), attn_fn=SDPAAttention(), qkv_bias=True, norm_eps=1e-6)
+    with pytest.raises(MmzooError, match=r"mesh.model=2 and num_kv_heads=3 of lm.layers.0: neither divides"):
+        ShardingPlan(MeshSpec(model=2), MultimodalLM(lm=lm, towers={}), max_batch=2)
+    plan = ShardingPlan(MeshSpec(model=3), MultimodalLM(lm=lm, towers={}), max_batch=2)
+    assert plan.kv_sharded and plan.specs["lm.layers.0.attn.k_proj.weight"] == ("model", None)
+
+
+def test_batch_not_divisible_and_too_many_devices(ckpts):
+    with pytest.raises(MmzooError, match=r"executor.max_batch=3 is not a multiple of mesh.data=2"):
+        mmzoo.load(ckpts["qwen2_vl"], executor="xla", mesh="dp_tp", max_batch=3, warmup=False)
+    with pytest.raises(MmzooError, match=r"mesh.data=64 x mesh.model=1 needs 64 devices but PJRT_DEVICE=CPU has \d"):
+        mmzoo.load(ckpts["qwen2_vl"], executor="xla", mesh={"data": 64}, max_batch=64, warmup=False)
+    with pytest.raises(MmzooError, match=r"needs executor=xla"):
+        mmzoo.load(ckpts["qwen2_vl"], executor="eager", mesh="tp")

@@ -15,7 +15,7 @@ venv: $(STAMP)
 
 # the main job on the embedded default checkpoint
 demo: $(STAMP)
-	$(VENV)/bin/python -m mmzoo.infer model=qwen2_vl attention=sdpa
+	$(VENV)/bin/python -m mmzoo.infer model=qwen2_vl attention=pallas
 
 # the test suite (CI runs this)
 test: $(STAMP)

@@ -5,8 +5,8 @@ SPMD is process-wide and must be switched on before the first XLA tensor exists,
 process. Run as ``python tests/_spmd_worker.py CASES.json RESULT.json`` with ``PJRT_DEVICE=CPU
 CPU_NUM_DEVICES=4``. For each case it computes the single-device reference with the eager executor
 (plain CPU tensors, so SPMD does not touch it; the XLA executor matches it token for token, see
-test_executor.py), loads the sharded XLA engine (compile guard ``error``), runs the requests, and
-records the tokens, the compile counts and the sharding of every parameter. A failing case records
+test_executor.py), loads the sharded XLA engine (compile guard ``ignore``: the counts are recorded and asserted by
+the tests), runs the requests, and records the tokens, the compile counts and the sharding of every parameter. A failing case records
 its traceback and the others still run.
 """
 
@@ -42,7 +42,7 @@ def main(cases_path: str, out_path: str) -> None:
                 refs[key] = [r.token_ids for r in ref.generate(reqs)]
             rec["reference"] = refs[key]
             engine = mmzoo.load(case["checkpoint"], executor="xla", attention=case["attention"], mesh=case["mesh"],
-                                on_recompile="error", progress=False, **case["executor"])
+                                on_recompile="ignore", progress=False, **case["executor"])
             exe = engine.executor
             rec["load_s"] = time.perf_counter() - t0
             rec["describe"] = exe.describe()

@@ -152,7 +152,7 @@ def test_training_stream_and_held_out_set_do_not_overlap():
     train_seed = shapes.TRAIN_SEED + int(recipe.seed)
     held_seeds = [shapes.HELD_OUT_SEED + i for i in range(len(shapes.CATEGORIES))]
     assert len({train_seed, shapes.VALIDATION_SEED, *held_seeds}) == 2 + len(held_seeds)
-    train = {scene for scene, *_ in itertools.islice(shapes.iter_questions(train_seed), 5000)}
+    train = {scene for scene, _ in itertools.islice(shapes.iter_conversations(train_seed), 5000)}
     held = {scene for seed, cat in zip(held_seeds, shapes.CATEGORIES)
             for scene, *_ in itertools.islice(shapes.iter_questions(seed, category=cat), PER_CATEGORY)}
     val = {scene for scene, *_ in itertools.islice(shapes.iter_questions(shapes.VALIDATION_SEED), 300)}

@@ -108,13 +108,7 @@ def test_sharded_tokens_equal_single_device(spmd, name):
     assert rec["tokens"] == rec["reference"] and all(len(t) == GEN["max_new_tokens"] for t in rec["tokens"])
 
 
-# Known bug (issue #8 stays open on it): with attention=eager under SPMD the first prefill after
-# warmup compiles one more graph (tokens still identical); sdpa and pallas compile none.
-EAGER_RECOMPILES = pytest.mark.xfail(strict=True, reason="eager under SPMD: 1 prefill graph compiled after warmup")
-
-
-@pytest.mark.parametrize("name", [pytest.param(c[0], marks=EAGER_RECOMPILES) if c[3] == "eager" else c[0]
-                                  for c in CASES])
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_no_graph_compiles_after_warmup(spmd, name):
     rec = _case(spmd, name)
     assert rec["compiled_during_run"] == 0 and rec["graphs_after_warmup"] == [0, 0, 0]

@@ -43,16 +43,28 @@ class AttentionBackend:
         b, hq, sq, _ = q.shape
         skv, groups = k.shape[2], hq // k.shape[1]
         key = (b, sq, skv, groups, causal, str(q.device), q_segment_ids, kv_segment_ids, q_positions, kv_lengths)
+        if not any(isinstance(t, torch.Tensor) for t in key):
+            # shapes only: a memo would outlive the forward, and on XLA the next graph would take
+            # the materialized mask as an input instead of building it (a different graph than
+            # the one warmup compiled)
+            return self._folded(b, sq, skv, groups, q.device, causal, q_segment_ids, kv_segment_ids,
+                                q_positions, kv_lengths)
         memo = getattr(self, "_mask_memo", None)
         if memo is not None and len(memo[0]) == len(key) and all(
                 a is c if isinstance(a, torch.Tensor) or isinstance(c, torch.Tensor) else a == c
                 for a, c in zip(memo[0], key)):
             return memo[1]
-        mask = visibility_mask(b, sq, skv, q.device, causal=causal, q_segment_ids=q_segment_ids,
+        mask = self._folded(b, sq, skv, groups, q.device, causal, q_segment_ids, kv_segment_ids, q_positions,
+                            kv_lengths)
+        self._mask_memo = (key, mask)
+        return mask
+
+    @staticmethod
+    def _folded(b, sq, skv, groups, device, causal, q_segment_ids, kv_segment_ids, q_positions, kv_lengths):
+        mask = visibility_mask(b, sq, skv, device, causal=causal, q_segment_ids=q_segment_ids,
                                kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_lengths=kv_lengths)
         if mask is not None and groups > 1:
             mask = mask.unsqueeze(2).expand(b, 1, groups, sq, skv).reshape(b, 1, groups * sq, skv)
-        self._mask_memo = (key, mask)
         return mask
 
 

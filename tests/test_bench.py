@@ -54,3 +54,21 @@ def test_smoke_recipe_writes_every_figure(tmp_path):
     names = [t["name"] for t in res["targets"]]
     assert len(names) == 4 and all(t["pass"] in (True, False, None) for t in res["targets"])
     assert res["targets"][-1]["pass"] is True  # 0 graphs compiled after warmup
+
+
+def test_tensor_parallel_sweep_rows(tmp_path):
+    """``sweep.tp=[1,2]`` on the smoke model: a row per point (each its own process, tp=2 on 2
+    virtual CPU devices under SPMD), the same tokens as tp=1, nothing compiled in the timed run."""
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    p = subprocess.run([sys.executable, "-m", "mmzoo.bench", "--config-dir", str(ROOT / "recipes"),
+                        "--config-name", "bench_qwen2_vl_smoke", f"output={out}", "systems=[]", "sweep.systems=[]",
+                        "sweep.image_sizes=[]", "sweep.batch_sizes=[]", "sweep.decode_profile_steps=0",
+                        "sweep.tp=[1,2]", "sweep.tp_batch=2"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "Tensor-parallel sweep" in p.stdout
+    rows = json.loads(out.read_text())["tp_sweep"]
+    assert [(r["tp"], r["devices"], r["batch"]) for r in rows] == [(1, 1, 2), (2, 2, 2)]
+    assert all(r["same_tokens_as_tp1"] == r["requests"] and r["graphs_compiled"] == 0 for r in rows), rows
+    assert "mesh data=1 x model=2" in rows[1]["describe"] and rows[0]["median_itl_ms"] > 0

@@ -59,18 +59,13 @@ def encode_batch(processor, examples: list[shapes.Example]) -> dict[str, torch.T
                     images=[ex.image for ex in examples])  # lists of ids; the image pads expanded
     answers = tok([ex.answer for ex in examples], add_special_tokens=False)["input_ids"]
     rows = [list(p) + a + [eos] for p, a in zip(enc["input_ids"], answers)]
-    width = max(len(r) for r in rows)
-    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])  # [b, s]
-    mm_types = torch.tensor([list(t) + [0] * (width - len(t)) for t in enc["mm_token_type_ids"]])  # 1: image
-    return {
-        "input_ids": input_ids,
-        "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
-        "mm_token_type_ids": mm_types,
-        "pixel_values": torch.as_tensor(enc["pixel_values"]),  # [patches of all images, 3 * 2 * 14 * 14]
-        "image_grid_thw": torch.as_tensor(enc["image_grid_thw"]),  # [b, 3]
-        "labels": torch.tensor([[-100] * len(p) + a + [eos] + [-100] * (width - len(p) - len(a) - 1)
-                                for p, a in zip(enc["input_ids"], answers)]),
-    }
+    labels = [[-100] * len(p) + a + [eos] for p, a in zip(enc["input_ids"], answers)]
+    return {"input_ids": _padded(rows, pad), "attention_mask": _padded([[1] * len(r) for r in rows], 0),
+            "mm_token_type_ids": _padded([list(t) + [0] * (len(a) + 1) for t, a in zip(enc["mm_token_type_ids"], answers)],
+                                         0),  # 1: image
+            "pixel_values": torch.as_tensor(enc["pixel_values"]),  # [patches of all images, 3 * 2 * 14 * 14]
+            "image_grid_thw": torch.as_tensor(enc["image_grid_thw"]),  # [b, 3]
+            "labels": _padded(labels, -100)}
 
 
 def _padded(rows: list[list[int]], value: int) -> torch.Tensor:

@@ -38,8 +38,9 @@ def sweep(cfg, checkpoint: Path, text, say) -> list[dict]:
     over = OmegaConf.to_container(cfg.sweep.xla_overrides, resolve=True)
     xla = {**OmegaConf.to_container(cfg.executors.xla, resolve=True), **over,
            "max_batch": batch, "on_recompile": "warn", "progress": False}
-    if "transpose_weights" in xla:  # a CPU-only layout the sharded points cannot use: off for every point alike
-        xla["transpose_weights"] = False
+    for key in ("transpose_weights", "replay_decode"):  # single-device only: off for every point alike
+        if key in xla:
+            xla[key] = False
     rows = []
     for tp in [int(t) for t in cfg.sweep.tp]:
         say(f"tp sweep: tp={tp}, batch {xla['max_batch']}, {len(requests)} requests (a process of its own)")

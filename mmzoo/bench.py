@@ -275,8 +275,9 @@ def kv_cache_bytes(exe) -> int:
 
 
 def decode_breakdown(engine, steps: int) -> dict:
-    """Where one XLA decode step's time goes: Python (host arrays, transfers, lazy tracing), the
-    sync (graph hashing, cache lookup, launch) and the wait for the result; torch_xla's timers."""
+    """Where one XLA decode step's time goes: Python (host arrays, transfers, then lazy tracing or,
+    with ``replay_decode``, launching the compiled graph), the sync (graph hashing, cache lookup,
+    launch: nothing left to do after a replay) and the wait for the result; torch_xla's timers."""
     import torch_xla
     import torch_xla.debug.metrics as met
 
@@ -313,7 +314,8 @@ def decode_breakdown(engine, steps: int) -> dict:
     alias = met.metric_data("InputOutputAliasCount")  # buffers updated in place (the KV cache, when donated)
     per_step = {n: (after[n][1] - before[n][1]) / steps / 1e6 for n in names}  # timers accumulate ns
     med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
-    return {"steps": steps, "python_trace_ms": med(trace), "sync_ms": med(sync), "wait_ms": med(wait),
+    return {"steps": steps, "replayed": bool(getattr(exe, "_replays", None)),
+            "python_ms": med(trace), "sync_ms": med(sync), "wait_ms": med(wait),
             "step_ms": med([a + b + c for a, b, c in zip(trace, sync, wait)]),
             "xla_timers_ms_per_step": per_step,
             "graphs_compiled": after["CompileTime"][0] - before["CompileTime"][0],
@@ -622,8 +624,9 @@ def _print_roofline(roof: dict, lm_info: dict, dtype: str) -> None:
 
 def _print_profile(p: dict) -> None:
     t = p["xla_timers_ms_per_step"]
+    python = "Python (inputs, graph replay)" if p["replayed"] else "Python (inputs, lazy tracing)"
     print(f"mmzoo-xla batch-1 decode step, phase by phase (median of {p['steps']}): {p['step_ms']:.2f} ms = "
-          f"Python trace {p['python_trace_ms']:.2f} + sync {p['sync_ms']:.2f} + wait {p['wait_ms']:.2f}; "
+          f"{python} {p['python_ms']:.2f} + sync {p['sync_ms']:.2f} + wait {p['wait_ms']:.2f}; "
           f"torch_xla timers per step: LazyTracing {t['LazyTracing']:.2f}, ExecuteTime {t['ExecuteTime']:.2f}, "
           f"TransferToDevice {t['TransferToDeviceTime']:.2f}, TransferFromDevice {t['TransferFromDeviceTime']:.2f}; "
           f"graph nodes {p['graph_nodes']}, buffers updated in place {p['aliased_buffers']}, "

@@ -123,3 +123,23 @@ def test_linear_weights_held_transposed_on_xla_cpu(xla_engine, qwen2_vl_ckpt, im
     torch.testing.assert_close(xla_engine.executor.prompt_logits(prepared), plain.executor.prompt_logits(prepared),
                                rtol=0, atol=1e-4, check_dtype=False)
     assert xla_engine.generate(req).token_ids == plain.generate(req).token_ids
+
+
+def test_decode_replays_its_compiled_graph(xla_engine, qwen2_vl_ckpt, image_files, monkeypatch):
+    """After warmup the decode step runs as its compiled graph, never traced again: its tokens equal
+    the traced path's (greedy and sampled rows, slots refilled), with no graph compiled."""
+    exe = xla_engine.executor
+    assert set(exe._replays) == {True, False}  # greedy-only and sampling steps, both from warmup
+    traced = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, on_recompile="error",
+                        replay_decode=False, **SMALL)
+    assert traced.executor._replays == {}
+    reqs = workload(image_files)
+    expected = [r.token_ids for r in traced.generate(reqs)]
+
+    def no_tracing(*args, **kwargs):
+        raise AssertionError("the decode step was traced after warmup")
+
+    monkeypatch.setattr(exe, "decode_step", no_tracing)
+    before = exe.compiled_graphs()
+    assert [r.token_ids for r in xla_engine.generate(reqs)] == expected
+    assert exe.compiled_graphs() == before

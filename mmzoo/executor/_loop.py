@@ -192,8 +192,9 @@ class Executor:
         index[:n] = remap
         return self._tensor(ids[None]), self._tensor(pos[:, None]), self._tensor(index[None])
 
-    def _sampling_arrays(self, seqs: list[tuple[int, Any]], rows: int):
-        """Per-row sampling parameters and one uniform draw per sampled row."""
+    @staticmethod
+    def _sampling_arrays(seqs: list[tuple[int, Any]], rows: int) -> list[np.ndarray]:
+        """Per-row sampling parameters and one uniform draw per sampled row (host arrays)."""
         temp = np.zeros(rows, np.float32)
         top_k = np.zeros(rows, np.int64)
         top_p = np.ones(rows, np.float32)
@@ -203,12 +204,16 @@ class Executor:
             temp[row], top_k[row], top_p[row] = r.temperature, r.top_k, r.top_p
             if r.temperature > 0:
                 u[row] = seq.rng.random()
-        return [self._tensor(a) for a in (temp, top_k, top_p, u)]
+        return [temp, top_k, top_p, u]
+
+    @staticmethod
+    def _greedy_only(seqs) -> bool:
+        return all(seq.prepared.request.temperature == 0 for _, seq in seqs)
 
     def _select(self, logits, seqs, rows) -> torch.Tensor:
-        if all(seq.prepared.request.temperature == 0 for _, seq in seqs):
+        if self._greedy_only(seqs):
             return greedy(logits)
-        return sample(logits, *self._sampling_arrays(seqs, rows))
+        return sample(logits, *(self._tensor(a) for a in self._sampling_arrays(seqs, rows)))
 
     @torch.no_grad()
     def prefill(self, seq: _Seq) -> torch.Tensor:
@@ -228,21 +233,31 @@ class Executor:
         self.step_done()
         return logits[0].cpu().numpy()[: len(prepared.input_ids)]
 
+    def decode_arrays(self, active: dict[int, _Seq]) -> tuple[bool, list[np.ndarray]]:
+        """The host inputs of one decode step: whether every row is greedy, and the arrays
+        :meth:`decode_step` takes (tokens, rotary positions, cache write positions, logits rows,
+        then the sampling arrays unless greedy)."""
+        b = self.max_batch
+        tokens, write, rope = np.zeros((b, 1), np.int64), np.zeros((b, 1), np.int64), np.zeros(b, np.int64)
+        for slot, seq in active.items():
+            tokens[slot, 0], write[slot, 0] = seq.last, seq.length
+            rope[slot] = seq.length + seq.prepared.position_delta
+        axes = self.model.lm.rotary.num_axes
+        arrays = [tokens, np.broadcast_to(rope[None, :, None], (axes, b, 1)), write, np.zeros(b, np.int64)]
+        greedy_only = self._greedy_only(list(active.items()))
+        return greedy_only, arrays + ([] if greedy_only else self._sampling_arrays(list(active.items()), b))
+
+    def decode_step(self, tokens, rope, write, logits_index, *sampling) -> torch.Tensor:
+        """One token for every slot from device tensors (see :meth:`decode_arrays`) -> ``[slots]``."""
+        logits = self.model(tokens, rope, cache=self.cache.decode(write), attn_kwargs={"q_positions": write},
+                            logits_index=logits_index)
+        return sample(logits, *sampling) if sampling else greedy(logits)
+
     @torch.no_grad()
     def decode(self, active: dict[int, _Seq]) -> torch.Tensor:
         """One token for every slot (empty slots compute garbage that is ignored) -> ``[slots]``."""
-        b = self.max_batch
-        tokens, write, rope = np.zeros(b, np.int64), np.zeros(b, np.int64), np.zeros(b, np.int64)
-        for slot, seq in active.items():
-            tokens[slot], write[slot] = seq.last, seq.length
-            rope[slot] = seq.length + seq.prepared.position_delta
-        axes = self.model.lm.rotary.num_axes
-        wp = self._tensor(write[:, None])  # [B, 1]
-        logits = self.model(self._tensor(tokens[:, None]),
-                            self._tensor(np.broadcast_to(rope[None, :, None], (axes, b, 1))),
-                            cache=self.cache.decode(wp), attn_kwargs={"q_positions": wp},
-                            logits_index=self._tensor(np.zeros(b, np.int64)))
-        return self._select(logits, list(active.items()), b)
+        _, arrays = self.decode_arrays(active)
+        return self.decode_step(*(self._tensor(a) for a in arrays))
 
     # -- the schedule --------------------------------------------------------------------
     def generate(self, prepared: list[Prepared], *, decode_text: Callable[[list[int]], str],

@@ -53,6 +53,9 @@ class XLAExecutor(Executor):
         progress: progress bars for warmup and generation.
         transpose_weights: hold linear weights as ``[in, out]`` (:mod:`mmzoo.executor._layout`);
             ``"auto"``: on the XLA CPU client without a mesh, where it removes a weight copy per step.
+        replay_decode: after warmup, run the decode step as its compiled graph with new inputs
+            instead of tracing it again each token (:mod:`mmzoo.executor._replay`); ``"auto"``:
+            without a device mesh.
     """
 
     name = "xla"
@@ -61,7 +64,8 @@ class XLAExecutor(Executor):
                  min_prefill: int = 16, prefill_linear_after: int | None = None, prefill_linear_step: int | None = None,
                  encoder_buckets: dict[str, list[int]] | None = None, min_encoder_rows: int = 64,
                  max_encoder_rows: int = 16384, warmup: bool = True, on_recompile: str = "warn",
-                 compile_cache_dir: str | None = None, progress: bool = False, transpose_weights: bool | str = "auto"):
+                 compile_cache_dir: str | None = None, progress: bool = False, transpose_weights: bool | str = "auto",
+                 replay_decode: bool | str = "auto"):
         super().__init__(max_model_len=max_model_len, max_batch=max_batch, progress=progress)
         if on_recompile not in ("error", "warn", "ignore"):
             raise ValueError(f"on_recompile={on_recompile!r}: choose error, warn or ignore")
@@ -75,6 +79,10 @@ class XLAExecutor(Executor):
         if transpose_weights not in ("auto", True, False):
             raise ValueError(f"transpose_weights={transpose_weights!r}: choose auto, true or false")
         self.transpose_weights = transpose_weights
+        if replay_decode not in ("auto", True, False):
+            raise ValueError(f"replay_decode={replay_decode!r}: choose auto, true or false")
+        self.replay_decode = replay_decode
+        self._replays: dict[bool, object] = {}  # greedy-only? -> ReplayedStep of the decode step
         self.do_warmup, self.on_recompile = warmup, on_recompile
         self.warmup_s: float | None = None
         self._baseline: int | None = None
@@ -100,6 +108,42 @@ class XLAExecutor(Executor):
 
             hold_linears_transposed(self.model)
             self.step_done()
+
+    # -- decode: traced once, then replayed ---------------------------------------------------
+    def _replaying(self) -> bool:
+        if self.replay_decode == "auto":
+            return self.sharding is None
+        if self.replay_decode and self.sharding is not None:
+            raise ValueError("replay_decode=true is not supported with a device mesh; use auto or false")
+        return bool(self.replay_decode)
+
+    @torch.no_grad()
+    def decode(self, active) -> torch.Tensor:
+        if not self._replaying():
+            return super().decode(active)
+        greedy_only, arrays = self.decode_arrays(active)
+        inputs = [self._tensor(a) for a in arrays]
+        state = self.cache.k + self.cache.v
+        step = self._replays.get(greedy_only)
+        if step is None:  # first decode of this kind (warmup): trace and compile it
+            from mmzoo.executor._replay import ReplayedStep
+
+            step = self._replays[greedy_only] = ReplayedStep(self._traced_decode, inputs, state)
+        (tokens,), state = step(inputs, state)
+        self._hold_cache(state)
+        return tokens
+
+    def _hold_cache(self, state: list[torch.Tensor]) -> None:
+        n = len(self.cache.k)
+        self.cache.k[:], self.cache.v[:] = state[:n], state[n:]
+
+    def _traced_decode(self, inputs, state):
+        real = self.cache.k + self.cache.v
+        self._hold_cache(state)
+        try:
+            return (self.decode_step(*inputs),)
+        finally:
+            self._hold_cache(real)
 
     # -- shapes ----------------------------------------------------------------------------
     def device(self) -> torch.device:

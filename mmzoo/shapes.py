@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-__all__ = ["SHAPES", "COLORS", "SIZES", "CATEGORIES", "COUNT_WORDS", "TRAIN_SEED", "VALIDATION_SEED", "HELD_OUT_SEED",
-           "Shape", "Scene", "Example", "random_scene", "render", "questions", "iter_questions", "iter_conversations", "iter_examples",
+__all__ = ["SHAPES", "COLORS", "SIZES", "CATEGORIES", "COUNT_WORDS", "TRAIN_SEED", "VISION_SEED", "VALIDATION_SEED", "HELD_OUT_SEED",
+           "Shape", "Scene", "Example", "random_scene", "render", "cell_targets", "questions", "iter_questions", "iter_conversations", "iter_examples",
            "make_examples", "tokenizer_corpus"]
 
 SHAPES = ("circle", "square", "triangle", "star", "cross")
@@ -42,6 +42,7 @@ SIZES = (56, 84, 112, 140)  # image sides in pixels
 CATEGORIES = ("shape", "color", "count")
 COUNT_WORDS = ("one", "two", "three")
 TRAIN_SEED = 0  # recipes/train_demo.py trains on iter_conversations(TRAIN_SEED + its seed) (0 by default)
+VISION_SEED = 250_007  # and pretrains its vision tower on the scenes of iter_conversations(VISION_SEED + its seed)
 VALIDATION_SEED = 500_009  # the recipe's own accuracy report at the end
 HELD_OUT_SEED = 1_000_003  # tests/test_demo.py evaluates on this one
 
@@ -138,18 +139,64 @@ def _outline(kind: str, cx: float, cy: float, side: float) -> list[tuple[float, 
     raise ValueError(f"unknown shape {kind!r}; known: {SHAPES}")
 
 
+def _draw(draw: ImageDraw.ImageDraw, s: Shape, scale: int, fill) -> None:
+    cx, cy, side = s.cx * scale, s.cy * scale, s.side * scale
+    if s.kind == "circle":
+        draw.ellipse([cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2], fill=fill)
+    else:
+        draw.polygon(_outline(s.kind, cx, cy, side), fill=fill)
+
+
 def render(scene: Scene) -> Image.Image:
     """The scene as an RGB image of ``scene.width`` x ``scene.height`` pixels (anti-aliased edges)."""
-    k = _SUPERSAMPLE
-    big = Image.new("RGB", (scene.width * k, scene.height * k), scene.background)
+    big = Image.new("RGB", (scene.width * _SUPERSAMPLE, scene.height * _SUPERSAMPLE), scene.background)
     draw = ImageDraw.Draw(big)
     for s in scene.shapes:
-        cx, cy, side = s.cx * k, s.cy * k, s.side * k
-        if s.kind == "circle":
-            draw.ellipse([cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2], fill=s.rgb)
-        else:
-            draw.polygon(_outline(s.kind, cx, cy, side), fill=s.rgb)
+        _draw(draw, s, _SUPERSAMPLE, s.rgb)
     return big.resize((scene.width, scene.height), Image.Resampling.BOX)
+
+
+def cell_targets(scene: Scene, cell: int, *, mode: str = "cover", min_pixels: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Per-cell labels of a scene's ``cell`` x ``cell`` pixel grid (row-major, as the Qwen2-VL
+    merger emits its tokens when ``cell`` is patch x merge): the shape kind and color in each cell.
+
+    Args:
+        scene: the scene; its sides must be multiples of ``cell``.
+        cell: the cell side in pixels.
+        mode: "cover": a cell is labeled with the shape that covers most of its pixels (at least
+            ``min_pixels``); "center": only the cell holding a shape's bounding-box center is.
+        min_pixels: see ``mode``.
+
+    Returns:
+        ``(kinds, colors)``, int64 arrays of ``[height // cell, width // cell]``: 0 for no shape,
+        else 1 + the index in :data:`SHAPES` / :data:`COLORS`; -100 (ignored by cross entropy)
+        where two shapes' centers share a cell in "center" mode.
+    """
+    if scene.width % cell or scene.height % cell:
+        raise ValueError(f"scene {scene.width}x{scene.height} px is not a whole number of {cell}-px cells")
+    rows, cols = scene.height // cell, scene.width // cell
+    kinds, colors = np.zeros((rows, cols), np.int64), np.zeros((rows, cols), np.int64)
+    kind_ids = [1 + SHAPES.index(s.kind) for s in scene.shapes]
+    color_ids = [1 + list(COLORS).index(s.color) for s in scene.shapes]
+    if mode == "center":
+        for s, k, c in zip(scene.shapes, kind_ids, color_ids):
+            r, q = s.cy // cell, s.cx // cell
+            taken = kinds[r, q] != 0
+            kinds[r, q], colors[r, q] = (-100, -100) if taken else (k, c)
+        return kinds, colors
+    if mode != "cover":
+        raise ValueError(f"mode={mode!r}; known: 'cover', 'center'")
+    mask = Image.new("L", (scene.width, scene.height), 0)
+    draw = ImageDraw.Draw(mask)
+    for i, s in enumerate(scene.shapes):
+        _draw(draw, s, 1, i + 1)
+    ids = np.asarray(mask).reshape(rows, cell, cols, cell).transpose(0, 2, 1, 3).reshape(rows, cols, -1)
+    counts = np.stack([(ids == i + 1).sum(-1) for i in range(len(scene.shapes))], -1)  # [rows, cols, shapes]
+    best = counts.argmax(-1)
+    hit = counts.max(-1) >= min_pixels
+    kinds[hit] = np.asarray(kind_ids)[best[hit]]
+    colors[hit] = np.asarray(color_ids)[best[hit]]
+    return kinds, colors
 
 
 def questions(scene: Scene) -> dict[str, list[tuple[str, str]]]:

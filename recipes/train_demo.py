@@ -1,22 +1,37 @@
 """Recipe: train the embedded demo checkpoint, a small Qwen2-VL that answers questions about shapes.
 
 transformers' own ``Qwen2VLForConditionalGeneration`` (so the checkpoint is a plain Hugging Face
-one, and the math is the one mmzoo matches) is trained from scratch with a plain torch loop on an
-endless stream of :mod:`mmzoo.shapes` scenes of one to three shapes. Each scene is one multi-turn
-conversation asking every unambiguous question about it ("What shape is this?", "What color is the
-square?", "How many shapes are there?", in a random order), each with a one-word answer; the loss
-is on the answers and their closing ``<|im_end|>`` only. Validation asks one question per image,
-as inference does. Two choices matter for a model this small (measured on 300-step runs):
-several answers per image (5x the supervision for 1.5x the step time), and an init std of 0.1
-rather than transformers' 0.02 (at 0.02 the attention logits start so flat that the LM takes
-over a thousand steps to start looking at the image at all). The tokenizer, chat template and
-processor are those of :mod:`mmzoo.testing`. Everything is seeded: the same config gives the same
-data stream and initial weights.
+one, and the math is the one mmzoo matches) is trained from scratch with a plain torch loop on
+endless streams of :mod:`mmzoo.shapes` scenes of one to three shapes, in two phases:
 
-Run (about 17 minutes on 2 CPU cores; writes mmzoo/assets/qwen2_vl_shapes)::
+1. **Vision** (:func:`pretrain_vision`): the vision tower alone, with a training-only linear head
+   (:class:`VisionProbe`, not saved) that reads each merged image token and names the kind and
+   color of the shape whose center lies in that token's 28 x 28 px cell (or none). Images only,
+   a third of a full step's cost.
+2. **Conversations**: the whole model. Each scene is one multi-turn conversation asking every
+   unambiguous question about it ("What shape is this?", "What color is the square?", "How many
+   shapes are there?", in a random order), each with a one-word answer; the loss is on the
+   answers and their closing ``<|im_end|>`` only, plus the probe's loss.
+
+Validation asks one question per image, as inference does. What mattered, measured on short runs
+(validation accuracy):
+
+* the probe: through the answers alone the tower got a weak, late signal and the model never told
+  the shapes apart (shape 28% after 2000 steps, 17 minutes; chance 20%). With the probe phase, shape
+  is 98% at 500 conversation steps.
+* a vision tower 128 wide rather than 64 (vision-only runs, 400 steps: the probe named the shape
+  in 72% against 59% of the cells a shape covers);
+* several answers per image (5x the supervision for 1.5x the step time);
+* an init std of 0.1 rather than transformers' 0.02 (at 0.02 the attention logits start so flat
+  that the LM takes over a thousand steps to start looking at the image at all).
+
+The tokenizer, chat template and processor are those of :mod:`mmzoo.testing`. Everything is
+seeded: the same config gives the same data streams and initial weights.
+
+Run (about 16 minutes on 2 CPU cores; writes mmzoo/assets/qwen2_vl_shapes)::
 
     python recipes/train_demo.py
-    python recipes/train_demo.py steps=200 output=/tmp/demo   # a quick, weaker one elsewhere
+    python recipes/train_demo.py vision.steps=300 steps=200 output=/tmp/demo   # a quick, weaker one elsewhere
 """
 
 from __future__ import annotations
@@ -30,6 +45,7 @@ import time
 from pathlib import Path
 
 import hydra
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -132,6 +148,81 @@ def accuracy(model, processor, examples: list[shapes.Example], batch_size: int =
     return out
 
 
+def warmup_cosine(warmup: int, steps: int):
+    """The LR factor per step: linear warmup, then cosine decay to 1/20 of the peak."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def pretrain_vision(model, processor, aux: "VisionProbe", cfg: DictConfig, stream) -> None:
+    """Phase 1: the vision tower (and the probe head) alone on the probe loss, images only.
+
+    A step costs about a third of a full one, and the dense per-token labels teach the tower to
+    tell the shapes apart long before the LM's answers would (measured on vision-only runs: shape
+    kind right on 95% of shape-center tokens after 800 steps at ViT width 128)."""
+    vision = model.model.visual
+    params = list(vision.parameters()) + list(aux.head.parameters())
+    opt = torch.optim.AdamW(params, lr=float(cfg.lr), betas=(0.9, 0.98), weight_decay=0.0)
+    steps = int(cfg.steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(int(cfg.warmup_steps), steps))
+    vision.train()
+    t0, running = time.perf_counter(), 0.0
+    for step in range(steps):
+        scenes = [scene for scene, _ in itertools.islice(stream, int(cfg.batch_size))]
+        enc = processor.image_processor(images=[shapes.render(s) for s in scenes])
+        vision(torch.as_tensor(enc["pixel_values"]), grid_thw=torch.as_tensor(enc["image_grid_thw"]))
+        loss = aux.loss(scenes)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        running += float(loss.detach())
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            n = (step % 100) + 1
+            print(f"train_demo: vision step {step + 1}/{steps} probe loss {running / n:.4f} "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            running = 0.0
+
+
+class VisionProbe:
+    """An auxiliary training loss on the vision tower's output (the merged image tokens the LM
+    reads): a linear head, used only in training and not saved, predicts from each token the kind
+    and the color of the shape in its cell of the image (:func:`mmzoo.shapes.cell_targets`).
+
+    Through the LM alone the vision tower gets a weak, late signal (the LM must first learn where to
+    look); this dense one makes every image token say what it shows from the first step on.
+    """
+
+    def __init__(self, model, config, cfg: DictConfig):
+        vision = model.model.visual
+        self.cell = int(config.vision_config.patch_size) * int(config.vision_config.spatial_merge_size)
+        self.mode, self.min_pixels = str(cfg.targets), int(cfg.min_pixels)
+        self.head = torch.nn.Linear(int(config.text_config.hidden_size), 1 + len(shapes.SHAPES) + 1 + len(shapes.COLORS))
+        self._tokens: torch.Tensor | None = None
+        vision.merger.register_forward_hook(self._keep)
+
+    def _keep(self, module, args, output) -> None:
+        self._tokens = output  # [merged tokens of all images, hidden], images in order, each row-major
+
+    def loss(self, scenes: list[shapes.Scene]) -> torch.Tensor:
+        """Mean cross entropy of the kind and color heads over every image token of the last forward."""
+        kinds, colors = zip(*(shapes.cell_targets(s, self.cell, mode=self.mode, min_pixels=self.min_pixels)
+                              for s in scenes))
+        kinds = torch.from_numpy(np.concatenate([k.reshape(-1) for k in kinds]))
+        colors = torch.from_numpy(np.concatenate([c.reshape(-1) for c in colors]))
+        logits = self.head(self._tokens)
+        n = 1 + len(shapes.SHAPES)
+        ce = torch.nn.functional.cross_entropy
+        return ce(logits[:, :n], kinds, ignore_index=-100) + ce(logits[:, n:], colors, ignore_index=-100)
+
+
 def _rounded(acc: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in acc.items()}
 
@@ -158,25 +249,30 @@ def train(cfg: DictConfig) -> Path:
     params = sum(p.numel() for p in model.parameters())
     print(f"train_demo: {params / 1e6:.2f}M parameters, {cfg.steps} steps of {cfg.batch_size}", file=sys.stderr)
 
+    aux = VisionProbe(model, config, cfg.aux)
+    t_train = time.perf_counter()
+    if int(cfg.vision.steps):
+        pretrain_vision(model, processor, aux, cfg.vision, shapes.iter_conversations(shapes.VISION_SEED + int(cfg.seed)))
+    vision_s = time.perf_counter() - t_train
+
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": float(cfg.weight_decay)},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=float(cfg.lr), betas=(0.9, 0.98))
-    steps, warmup = int(cfg.steps), int(cfg.warmup_steps)
-
-    def schedule(step: int) -> float:  # linear warmup, cosine decay to 1/20 of the peak
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+                             {"params": no_decay + list(aux.head.parameters()), "weight_decay": 0.0}],
+                            lr=float(cfg.lr), betas=(0.9, 0.98))
+    steps = int(cfg.steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(int(cfg.warmup_steps), steps))
     stream = shapes.iter_conversations(shapes.TRAIN_SEED + int(cfg.seed))
     model.train()
-    t0, running = time.perf_counter(), 0.0
+    t0, running, running_aux = time.perf_counter(), 0.0, 0.0
     for step in range(steps):
-        batch = encode_conversations(processor, list(itertools.islice(stream, int(cfg.batch_size))))
+        conversations = list(itertools.islice(stream, int(cfg.batch_size)))
+        batch = encode_conversations(processor, conversations)
         loss = model(**batch).loss
+        if float(cfg.aux.weight):
+            aux_loss = aux.loss([scene for scene, _ in conversations])
+            running_aux += float(aux_loss.detach())
+            loss = loss + float(cfg.aux.weight) * aux_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg.grad_clip))
@@ -185,18 +281,19 @@ def train(cfg: DictConfig) -> Path:
         running += float(loss.detach())
         if (step + 1) % int(cfg.log_every) == 0 or step + 1 == steps:
             n = (step % int(cfg.log_every)) + 1
-            print(f"train_demo: step {step + 1}/{steps} loss {running / n:.4f} lr {sched.get_last_lr()[0]:.2e} "
-                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-            running = 0.0
+            print(f"train_demo: step {step + 1}/{steps} loss {running / n:.4f} (vision probe {running_aux / n:.4f}) "
+                  f"lr {sched.get_last_lr()[0]:.2e} {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            running = running_aux = 0.0
         if int(cfg.eval_every) and (step + 1) % int(cfg.eval_every) == 0 and step + 1 < steps:
             val = accuracy(model, processor, shapes.make_examples(int(cfg.eval_examples) // 2, shapes.VALIDATION_SEED))
             print(f"train_demo: step {step + 1} validation accuracy {_rounded(val)}", file=sys.stderr, flush=True)
             model.train()
-    train_s = time.perf_counter() - t0
+    train_s = time.perf_counter() - t_train  # both phases
 
     model.eval()
-    summary = {"steps": steps, "batch_size": int(cfg.batch_size), "parameters": params,
-               "train_seconds": round(train_s, 1), "config": OmegaConf.to_container(cfg, resolve=True)}
+    summary = {"steps": steps, "batch_size": int(cfg.batch_size), "vision_steps": int(cfg.vision.steps),
+               "parameters": params, "vision_seconds": round(vision_s, 1), "train_seconds": round(train_s, 1),
+               "config": OmegaConf.to_container(cfg, resolve=True)}
     if int(cfg.eval_examples):
         val = accuracy(model, processor, shapes.make_examples(int(cfg.eval_examples), shapes.VALIDATION_SEED))
         summary["validation_accuracy"] = _rounded(val)

@@ -276,7 +276,7 @@ def kv_cache_bytes(exe) -> int:
 
 def decode_breakdown(engine, steps: int) -> dict:
     """Where one XLA decode step's time goes: Python (host arrays, transfers, then lazy tracing or,
-    with ``replay_decode``, launching the compiled graph), the sync (graph hashing, cache lookup,
+    with ``replay_steps``, launching the compiled graph), the sync (graph hashing, cache lookup,
     launch: nothing left to do after a replay) and the wait for the result; torch_xla's timers."""
     import torch_xla
     import torch_xla.debug.metrics as met

@@ -125,21 +125,26 @@ def test_linear_weights_held_transposed_on_xla_cpu(xla_engine, qwen2_vl_ckpt, im
     assert xla_engine.generate(req).token_ids == plain.generate(req).token_ids
 
 
-def test_decode_replays_its_compiled_graph(xla_engine, qwen2_vl_ckpt, image_files, monkeypatch):
-    """After warmup the decode step runs as its compiled graph, never traced again: its tokens equal
-    the traced path's (greedy and sampled rows, slots refilled), with no graph compiled."""
+def test_steps_replay_their_compiled_graphs(xla_engine, qwen2_vl_ckpt, image_files, monkeypatch):
+    """After warmup every step (encode at each bucket, prefill at each bucket, decode; greedy and
+    sampling heads) runs as its compiled graph, never traced again: the tokens equal the traced
+    path's (greedy and sampled rows, images, slots refilled), with no graph compiled."""
     exe = xla_engine.executor
-    assert set(exe._replays) == {True, False}  # greedy-only and sampling steps, both from warmup
+    kinds = {key[0] for key in exe._replays}
+    assert kinds == {"encode", "embeds", "prefill", "decode"}, exe._replays.keys()
+    assert {k for k in exe._replays if k[0] == "decode"} == {("decode", True), ("decode", False)}
+    assert {k[1:] for k in exe._replays if k[0] == "prefill"} == {(s, g) for s in exe.prefill_buckets for g in (True, False)}
     traced = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, on_recompile="error",
-                        replay_decode=False, **SMALL)
+                        replay_steps=False, **SMALL)
     assert traced.executor._replays == {}
     reqs = workload(image_files)
     expected = [r.token_ids for r in traced.generate(reqs)]
 
     def no_tracing(*args, **kwargs):
-        raise AssertionError("the decode step was traced after warmup")
+        raise AssertionError("a step was traced after warmup")
 
-    monkeypatch.setattr(exe, "decode_step", no_tracing)
+    for name in ("forward", "encode"):
+        monkeypatch.setattr(exe.model, name, no_tracing)
     before = exe.compiled_graphs()
     assert [r.token_ids for r in xla_engine.generate(reqs)] == expected
     assert exe.compiled_graphs() == before

@@ -129,6 +129,7 @@ class Executor:
                              max_len=self.max_model_len, head_dim=lm.head_dim, dtype=self.dtype, device=dev)
         self.media = torch.zeros(self.max_media_rows(), lm.dim, dtype=self.dtype, device=dev)
         self.eos = set(int(e) for e in eos_token_ids)
+        self._encoded_rows: dict = {}  # encode step key -> embedding rows it writes
         self.shard()
         self.step_done()  # materialize weights and buffers, so no step graph contains their creation
 
@@ -136,6 +137,12 @@ class Executor:
         return torch.as_tensor(np.ascontiguousarray(array), dtype=dtype).to(self.device())
 
     # -- device steps --------------------------------------------------------------------
+    def run_step(self, key, fn: Callable[..., tuple], inputs: list[torch.Tensor], state: str) -> list[torch.Tensor]:
+        """Run the device step ``fn(*inputs) -> outputs``, which updates the executor's ``state``
+        ("cache": the KV cache, "media": the media buffer) in place. ``key`` names the step's
+        static shape; the XLA executor replays the compiled graph of each key after its first call."""
+        return list(fn(*inputs))
+
     @torch.no_grad()
     def encode_into_buffer(self, item, offset: int) -> int:
         """Run one tower (or take its precomputed embeddings) and write rows at ``offset`` of the
@@ -145,22 +152,34 @@ class Executor:
             rows = self.encoder_rows("embeds", emb.shape[0])  # the buffer write depends only on rows
             padded = torch.zeros(rows, emb.shape[1], dtype=self.dtype)
             padded[: emb.shape[0]] = emb.to(self.dtype)
-            emb = padded.to(self.device())
+            key, names, tensors = ("embeds", rows), [], [padded.to(self.device())]
         else:
             rows = self.encoder_rows(item.tower, round_up(item.rows, item.row_multiple))
-            inputs = {}
-            for key, arr in item.inputs.items():
-                padded = np.full((rows,) + arr.shape[1:], item.pad.get(key, 0), dtype=arr.dtype)
+            names, tensors = sorted(item.inputs), []
+            for name in names:
+                arr = item.inputs[name]
+                padded = np.full((rows,) + arr.shape[1:], item.pad.get(name, 0), dtype=arr.dtype)
                 padded[: arr.shape[0]] = arr
-                t = self._tensor(padded, torch.float32 if arr.dtype.kind == "f" else torch.long)
-                inputs[key] = t.to(self.dtype) if t.is_floating_point() else t
-            emb = self.model.encode(item.tower, **inputs)  # [rows / row_multiple, dim]
-        n = emb.shape[0]
+                tensors.append(self._tensor(padded, self.dtype if arr.dtype.kind == "f" else torch.long))
+            key = ("encode", item.tower, rows, tuple(names))
+        n = self._encoded_rows.get(key)  # known from the step's first (traced) call
+        if n is not None:
+            self._check_media_rows(item, offset, n)
+
+        def step(at, *tensors):
+            emb = tensors[0] if not names else self.model.encode(item.tower, **dict(zip(names, tensors)))
+            self._encoded_rows[key] = emb.shape[0]  # [rows / row_multiple, dim] for a tower
+            self._check_media_rows(item, offset, emb.shape[0])
+            idx = torch.arange(emb.shape[0], device=self.media.device) + at
+            self.media.index_copy_(0, idx, emb.to(self.dtype))
+            return ()
+
+        self.run_step(key, step, [self._tensor([offset])] + tensors, "media")
+        return self._encoded_rows[key]
+
+    def _check_media_rows(self, item, offset: int, n: int) -> None:
         if offset + n > self.media.shape[0]:
             raise MmzooError(f"{item.tower} inputs need {offset + n} media rows; the buffer holds {self.media.shape[0]}")
-        idx = torch.arange(n, device=self.media.device) + self._tensor([offset])
-        self.media.index_copy_(0, idx, emb.to(self.dtype))
-        return n
 
     @torch.no_grad()
     def encode_media(self, item) -> torch.Tensor:
@@ -210,20 +229,23 @@ class Executor:
     def _greedy_only(seqs) -> bool:
         return all(seq.prepared.request.temperature == 0 for _, seq in seqs)
 
-    def _select(self, logits, seqs, rows) -> torch.Tensor:
-        if self._greedy_only(seqs):
-            return greedy(logits)
-        return sample(logits, *(self._tensor(a) for a in self._sampling_arrays(seqs, rows)))
-
     @torch.no_grad()
     def prefill(self, seq: _Seq) -> torch.Tensor:
         """Encode media, run the prompt into the sequence's cache slot, return the first token ``[1]``."""
         ids, pos, index = self._prompt_arrays(seq.prepared)
         s, n = ids.shape[1], len(seq.prepared.input_ids)
-        view = self.cache.prefill(self._tensor([seq.slot]), self._tensor(np.arange(s)[None]))
-        logits = self.model(ids, pos, mm_embeds=self.media, mm_index=index, cache=view,
-                            logits_index=self._tensor([n - 1]))
-        return self._select(logits, [(0, seq)], 1)
+        seqs = [(0, seq)]
+        greedy_only = self._greedy_only(seqs)
+        sampling = [] if greedy_only else [self._tensor(a) for a in self._sampling_arrays(seqs, 1)]
+
+        def step(ids, pos, index, slot, logits_index, media, *sampling):
+            view = self.cache.prefill(slot, torch.arange(s, device=slot.device)[None])
+            logits = self.model(ids, pos, mm_embeds=media, mm_index=index, cache=view, logits_index=logits_index)
+            return (sample(logits, *sampling) if sampling else greedy(logits),)
+
+        inputs = [ids, pos, index, self._tensor([seq.slot]), self._tensor([n - 1]), self.media] + sampling
+        (token,) = self.run_step(("prefill", s, greedy_only), step, inputs, "cache")
+        return token
 
     @torch.no_grad()
     def prompt_logits(self, prepared: Prepared) -> np.ndarray:
@@ -256,8 +278,10 @@ class Executor:
     @torch.no_grad()
     def decode(self, active: dict[int, _Seq]) -> torch.Tensor:
         """One token for every slot (empty slots compute garbage that is ignored) -> ``[slots]``."""
-        _, arrays = self.decode_arrays(active)
-        return self.decode_step(*(self._tensor(a) for a in arrays))
+        greedy_only, arrays = self.decode_arrays(active)
+        step = lambda *t: (self.decode_step(*t),)  # noqa: E731
+        (tokens,) = self.run_step(("decode", greedy_only), step, [self._tensor(a) for a in arrays], "cache")
+        return tokens
 
     # -- the schedule --------------------------------------------------------------------
     def generate(self, prepared: list[Prepared], *, decode_text: Callable[[list[int]], str],

@@ -7,7 +7,7 @@ on the bench model at batch 1). A :class:`ReplayedStep` traces the step once, ke
 graph's hash and the order of its parameters, and from then on calls the executable directly with
 the new inputs (the mechanism torch_xla's dynamo bridge uses, without dynamo).
 
-The step may update some tensors in place (the KV cache): those are ``state``. Their buffers are
+The step may update some tensors in place (the KV cache, the media buffer): those are ``state``. Their buffers are
 donated to the graph, so XLA writes the new values over the old ones, and the caller gets the new
 tensors back to hold from then on.
 """
@@ -90,8 +90,8 @@ class ReplayedStep:
             raise ValueError(f"ReplayedStep: inputs {sig} differ from the traced {self.signature}")
         if len(state) != len(self.state_signature):
             raise ValueError(f"ReplayedStep: {len(state)} state tensors; traced with {len(self.state_signature)}")
-        pending = C._check_tensor_need_materialization(list(state))
-        if any(pending):  # e.g. a prefill updated the cache lazily and nothing synced since
+        pending = C._check_tensor_need_materialization(list(inputs) + list(state))
+        if any(pending):  # e.g. an input converted on the device, not yet run
             import torch_xla
 
             torch_xla.sync()

@@ -4,7 +4,8 @@ Every step runs at a padded, bucketed shape so that XLA compiles a small, fixed 
 all of them at warmup: each tower at each input-row bucket (padding rows carry their own
 attention segment, so they change nothing), the prompt at each prefill bucket, and one decode
 step, each with greedy and sampling heads. After warmup a compile guard watches torch_xla's
-compilation counter.
+compilation counter, and each step runs as its compiled graph without being traced again
+(:mod:`mmzoo.executor._replay`).
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ class XLAExecutor(Executor):
         progress: progress bars for warmup and generation.
         transpose_weights: hold linear weights as ``[in, out]`` (:mod:`mmzoo.executor._layout`);
             ``"auto"``: on the XLA CPU client without a mesh, where it removes a weight copy per step.
-        replay_decode: after warmup, run the decode step as its compiled graph with new inputs
-            instead of tracing it again each token (:mod:`mmzoo.executor._replay`); ``"auto"``:
-            without a device mesh.
+        replay_steps: after warmup, run each step (encode, prefill, decode) as its compiled graph
+            with new inputs instead of tracing it again on every call
+            (:mod:`mmzoo.executor._replay`); ``"auto"``: without a device mesh.
     """
 
     name = "xla"
@@ -65,7 +66,7 @@ class XLAExecutor(Executor):
                  encoder_buckets: dict[str, list[int]] | None = None, min_encoder_rows: int = 64,
                  max_encoder_rows: int = 16384, warmup: bool = True, on_recompile: str = "warn",
                  compile_cache_dir: str | None = None, progress: bool = False, transpose_weights: bool | str = "auto",
-                 replay_decode: bool | str = "auto"):
+                 replay_steps: bool | str = "auto"):
         super().__init__(max_model_len=max_model_len, max_batch=max_batch, progress=progress)
         if on_recompile not in ("error", "warn", "ignore"):
             raise ValueError(f"on_recompile={on_recompile!r}: choose error, warn or ignore")
@@ -79,10 +80,10 @@ class XLAExecutor(Executor):
         if transpose_weights not in ("auto", True, False):
             raise ValueError(f"transpose_weights={transpose_weights!r}: choose auto, true or false")
         self.transpose_weights = transpose_weights
-        if replay_decode not in ("auto", True, False):
-            raise ValueError(f"replay_decode={replay_decode!r}: choose auto, true or false")
-        self.replay_decode = replay_decode
-        self._replays: dict[bool, object] = {}  # greedy-only? -> ReplayedStep of the decode step
+        if replay_steps not in ("auto", True, False):
+            raise ValueError(f"replay_steps={replay_steps!r}: choose auto, true or false")
+        self.replay_steps = replay_steps
+        self._replays: dict = {}  # step key (kind and static shape) -> ReplayedStep
         self.do_warmup, self.on_recompile = warmup, on_recompile
         self.warmup_s: float | None = None
         self._baseline: int | None = None
@@ -109,41 +110,43 @@ class XLAExecutor(Executor):
             hold_linears_transposed(self.model)
             self.step_done()
 
-    # -- decode: traced once, then replayed ---------------------------------------------------
+    # -- steps: traced once, then replayed ----------------------------------------------------
     def _replaying(self) -> bool:
-        if self.replay_decode == "auto":
+        if self.replay_steps == "auto":
             return self.sharding is None
-        if self.replay_decode and self.sharding is not None:
-            raise ValueError("replay_decode=true is not supported with a device mesh; use auto or false")
-        return bool(self.replay_decode)
+        if self.replay_steps and self.sharding is not None:
+            raise ValueError("replay_steps=true is not supported with a device mesh; use auto or false")
+        return bool(self.replay_steps)
 
-    @torch.no_grad()
-    def decode(self, active) -> torch.Tensor:
+    def _state(self, name: str) -> list[torch.Tensor]:
+        return self.cache.k + self.cache.v if name == "cache" else [self.media]
+
+    def _hold(self, name: str, tensors: list[torch.Tensor]) -> None:
+        if name == "cache":
+            n = len(self.cache.k)
+            self.cache.k[:], self.cache.v[:] = tensors[:n], tensors[n:]
+        else:
+            (self.media,) = tensors
+
+    def run_step(self, key, fn, inputs, state):
         if not self._replaying():
-            return super().decode(active)
-        greedy_only, arrays = self.decode_arrays(active)
-        inputs = [self._tensor(a) for a in arrays]
-        state = self.cache.k + self.cache.v
-        step = self._replays.get(greedy_only)
-        if step is None:  # first decode of this kind (warmup): trace and compile it
+            return super().run_step(key, fn, inputs, state)
+        step = self._replays.get(key)
+        if step is None:  # the first call at this shape (warmup): trace and compile it
             from mmzoo.executor._replay import ReplayedStep
 
-            step = self._replays[greedy_only] = ReplayedStep(self._traced_decode, inputs, state)
-        (tokens,), state = step(inputs, state)
-        self._hold_cache(state)
-        return tokens
+            def traced(ins, tensors):  # fn on the state copies ReplayedStep traces with
+                real = self._state(state)
+                self._hold(state, tensors)
+                try:
+                    return fn(*ins)
+                finally:
+                    self._hold(state, real)
 
-    def _hold_cache(self, state: list[torch.Tensor]) -> None:
-        n = len(self.cache.k)
-        self.cache.k[:], self.cache.v[:] = state[:n], state[n:]
-
-    def _traced_decode(self, inputs, state):
-        real = self.cache.k + self.cache.v
-        self._hold_cache(state)
-        try:
-            return (self.decode_step(*inputs),)
-        finally:
-            self._hold_cache(real)
+            step = self._replays[key] = ReplayedStep(traced, inputs, self._state(state))
+        outputs, new = step(inputs, self._state(state))
+        self._hold(state, new)
+        return outputs
 
     # -- shapes ----------------------------------------------------------------------------
     def device(self) -> torch.device:

@@ -106,8 +106,7 @@ class Engine:
             if not items:
                 continue
             prepared = self.family.prepare(self.processor, self.config, Request(**{f"{kind}s": list(items)}))
-            (item,) = prepared.media
-            rows = self.executor.encode_media(item)
+            rows = torch.cat([self.executor.encode_media(item) for item in prepared.media])  # item order = row order
             used = prepared.mm_index[prepared.mm_index >= 0]  # the tower rows the prompt reads, in order
             if not np.array_equal(used, np.arange(rows.shape[0])):
                 rows = rows[torch.as_tensor(used)]

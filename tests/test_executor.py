@@ -7,6 +7,7 @@ import torch
 
 import mmzoo
 from mmzoo.executor.xla import RecompileError
+from mmzoo.testing import make_image
 
 SMALL = dict(max_model_len=128, min_prefill=32, encoder_buckets={"vision": [64, 256]}, progress=False)
 
@@ -72,12 +73,13 @@ def test_stop_tokens(eager_engine):
 
 def test_bad_requests_fail_alone(xla_engine, image_files):
     too_long = {"prompt": "word " * 200, "max_new_tokens": 2}
-    too_many_patches = {"prompt": "x", "images": image_files * 4, "max_new_tokens": 2}  # 288 patches
+    # 24 images (one tower call each, 16-32 patches: every call fits) whose 144 image tokens overflow the prompt
+    too_many_images = {"prompt": "x", "images": image_files * 8, "max_new_tokens": 2}
     bad_param = {"prompt": "x", "top_p": 0.0}
     ok = {"prompt": "hello", "max_new_tokens": 2, "ignore_eos": True}
-    results = xla_engine.generate([too_long, ok, too_many_patches, bad_param, ok])
+    results = xla_engine.generate([too_long, ok, too_many_images, bad_param, ok])
     assert "max_model_len=128" in results[0].error
-    assert "largest bucket 256" in results[2].error and "vision" in results[2].error
+    assert "max_model_len=128" in results[2].error and "prompt has" in results[2].error, results[2].error
     assert "top_p" in results[3].error
     assert results[1].error is None and results[4].error is None and len(results[4].token_ids) == 2
 
@@ -86,6 +88,9 @@ def test_guard_raises_on_a_new_shape(qwen2_vl_ckpt):
     engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=1, on_recompile="error",
                         max_model_len=64, min_prefill=64, encoder_buckets={"vision": [64]}, progress=False)
     engine.generate("hello", max_new_tokens=2)  # warmed-up shapes: fine
+    too_big = make_image(140, 112, seed=0)  # 80 patches in one image: no vision bucket holds it
+    (bad, ok) = engine.generate([{"prompt": "x", "images": [too_big]}, {"prompt": "hi", "max_new_tokens": 2}])
+    assert "vision encoder input rows is 80, more than the largest bucket 64" in bad.error and ok.error is None
     with pytest.raises(RecompileError, match="after warmup"):
         engine.executor.prompt_logits(engine.prepare(mmzoo.Request(prompt="hello")))  # a graph warmup never built
 

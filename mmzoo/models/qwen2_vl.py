@@ -248,8 +248,9 @@ class Qwen2VL:
         """Positions and media rows for token ids whose placeholders are already expanded.
 
         ``image`` / ``video`` are ``(pixels, grid_thw, embeds)`` with either pixels or embeds set.
-        Raw images and videos go through the vision tower in one packed call (their frames are
-        separate attention segments, so packing changes nothing); image rows come first.
+        Each raw image and video is its own call of the vision tower, so the dense attention of a
+        call (and its bucket's padding) covers one item, not all of them together; image rows
+        come first.
         """
         merge = config.vision_config.spatial_merge_size
         mm_index = np.full(len(input_ids), -1, dtype=np.int64)
@@ -269,19 +270,23 @@ class Qwen2VL:
                 entries.append((pixels, grid, emb, n))
                 row += n
 
-        def tower_call(group):  # raw items packed into one call of the vision tower
-            grid_all = np.concatenate([g for _, g, _, _ in group])
+        def tower_call(pixels, grid, n):
             return TowerInput(
                 tower="vision",
-                inputs={"patches": np.concatenate([np.asarray(p, np.float32) for p, _, _, _ in group]),
-                        "patch_pos": patch_positions(grid_all, merge), "segment_ids": frame_segments(grid_all)},
-                num_embeds=sum(n for *_, n in group), row_multiple=merge * merge, pad={"segment_ids": -1})
+                inputs={"patches": np.asarray(pixels, np.float32), "patch_pos": patch_positions(grid, merge),
+                        "segment_ids": frame_segments(grid)},
+                num_embeds=n, row_multiple=merge * merge, pad={"segment_ids": -1})
 
-        if entries and all(emb is None for _, _, emb, _ in entries):
-            media = [tower_call(entries)]
-        else:
-            media = [TowerInput(tower="vision", inputs={}, num_embeds=n, embeds=emb) if emb is not None
-                     else tower_call([(p, g, emb, n)]) for p, g, emb, n in entries]
+        media = []
+        for pixels, grid, emb, n in entries:
+            if emb is not None:
+                media.append(TowerInput(tower="vision", inputs={}, num_embeds=n, embeds=emb))
+                continue
+            start = 0
+            for g in grid:  # one tower call per image / video: attention (and padding) stays per item
+                size = int(g.prod())
+                media.append(tower_call(pixels[start:start + size], g[None], size // (merge * merge)))
+                start += size
         positions, delta = rope_index(input_ids, grid_by_token, merge_size=merge)
         return Prepared(request=request, input_ids=input_ids, positions=positions, position_delta=delta,
                         mm_index=mm_index, media=media, grids=grids)

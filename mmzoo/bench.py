@@ -314,7 +314,7 @@ def decode_breakdown(engine, steps: int) -> dict:
     alias = met.metric_data("InputOutputAliasCount")  # buffers updated in place (the KV cache, when donated)
     per_step = {n: (after[n][1] - before[n][1]) / steps / 1e6 for n in names}  # timers accumulate ns
     med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
-    return {"steps": steps, "replayed": bool(getattr(exe, "_replays", None)),
+    return {"steps": steps, "replayed": bool(getattr(exe, "replaying", False)),
             "python_ms": med(trace), "sync_ms": med(sync), "wait_ms": med(wait),
             "step_ms": med([a + b + c for a, b, c in zip(trace, sync, wait)]),
             "xla_timers_ms_per_step": per_step,

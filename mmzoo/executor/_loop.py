@@ -255,10 +255,9 @@ class Executor:
         self.step_done()
         return logits[0].cpu().numpy()[: len(prepared.input_ids)]
 
-    def decode_arrays(self, active: dict[int, _Seq]) -> tuple[bool, list[np.ndarray]]:
-        """The host inputs of one decode step: whether every row is greedy, and the arrays
-        :meth:`decode_step` takes (tokens, rotary positions, cache write positions, logits rows,
-        then the sampling arrays unless greedy)."""
+    @torch.no_grad()
+    def decode(self, active: dict[int, _Seq]) -> torch.Tensor:
+        """One token for every slot (empty slots compute garbage that is ignored) -> ``[slots]``."""
         b = self.max_batch
         tokens, write, rope = np.zeros((b, 1), np.int64), np.zeros((b, 1), np.int64), np.zeros(b, np.int64)
         for slot, seq in active.items():
@@ -266,22 +265,18 @@ class Executor:
             rope[slot] = seq.length + seq.prepared.position_delta
         axes = self.model.lm.rotary.num_axes
         arrays = [tokens, np.broadcast_to(rope[None, :, None], (axes, b, 1)), write, np.zeros(b, np.int64)]
-        greedy_only = self._greedy_only(list(active.items()))
-        return greedy_only, arrays + ([] if greedy_only else self._sampling_arrays(list(active.items()), b))
+        seqs = list(active.items())
+        greedy_only = self._greedy_only(seqs)
+        if not greedy_only:
+            arrays += self._sampling_arrays(seqs, b)
 
-    def decode_step(self, tokens, rope, write, logits_index, *sampling) -> torch.Tensor:
-        """One token for every slot from device tensors (see :meth:`decode_arrays`) -> ``[slots]``."""
-        logits = self.model(tokens, rope, cache=self.cache.decode(write), attn_kwargs={"q_positions": write},
-                            logits_index=logits_index)
-        return sample(logits, *sampling) if sampling else greedy(logits)
+        def step(tokens, rope, write, logits_index, *sampling):
+            logits = self.model(tokens, rope, cache=self.cache.decode(write), attn_kwargs={"q_positions": write},
+                                logits_index=logits_index)
+            return (sample(logits, *sampling) if sampling else greedy(logits),)
 
-    @torch.no_grad()
-    def decode(self, active: dict[int, _Seq]) -> torch.Tensor:
-        """One token for every slot (empty slots compute garbage that is ignored) -> ``[slots]``."""
-        greedy_only, arrays = self.decode_arrays(active)
-        step = lambda *t: (self.decode_step(*t),)  # noqa: E731
-        (tokens,) = self.run_step(("decode", greedy_only), step, [self._tensor(a) for a in arrays], "cache")
-        return tokens
+        (token_ids,) = self.run_step(("decode", greedy_only), step, [self._tensor(a) for a in arrays], "cache")
+        return token_ids
 
     # -- the schedule --------------------------------------------------------------------
     def generate(self, prepared: list[Prepared], *, decode_text: Callable[[list[int]], str],

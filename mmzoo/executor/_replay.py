@@ -54,7 +54,6 @@ class ReplayedStep:
         for t in state:
             C._set_buffer_donation(t, True)
         outputs = list(fn(inputs, state))
-        self.num_outputs = len(outputs)
         roots = list(state) + outputs  # the state now holds its updated value as pending IR
         graph_ids, graph_values = C._get_tensors_xla_device_data_node(roots)
         if C._get_seed_info_id() in graph_ids:

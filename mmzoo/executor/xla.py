@@ -83,6 +83,7 @@ class XLAExecutor(Executor):
         if replay_steps not in ("auto", True, False):
             raise ValueError(f"replay_steps={replay_steps!r}: choose auto, true or false")
         self.replay_steps = replay_steps
+        self.replaying = False  # set by setup(): replay_steps resolved against the mesh
         self._replays: dict = {}  # step key (kind and static shape) -> ReplayedStep
         self.do_warmup, self.on_recompile = warmup, on_recompile
         self.warmup_s: float | None = None
@@ -104,6 +105,9 @@ class XLAExecutor(Executor):
         if transpose and self.sharding is not None:
             raise ValueError("transpose_weights=true is not supported with a device mesh (the sharding rules "
                              "name [out, in] weights); use auto or false")
+        if self.replay_steps is True and self.sharding is not None:
+            raise ValueError("replay_steps=true is not supported with a device mesh; use auto or false")
+        self.replaying = self.sharding is None if self.replay_steps == "auto" else bool(self.replay_steps)
         if transpose:
             from mmzoo.executor._layout import hold_linears_transposed
 
@@ -111,13 +115,6 @@ class XLAExecutor(Executor):
             self.step_done()
 
     # -- steps: traced once, then replayed ----------------------------------------------------
-    def _replaying(self) -> bool:
-        if self.replay_steps == "auto":
-            return self.sharding is None
-        if self.replay_steps and self.sharding is not None:
-            raise ValueError("replay_steps=true is not supported with a device mesh; use auto or false")
-        return bool(self.replay_steps)
-
     def _state(self, name: str) -> list[torch.Tensor]:
         return self.cache.k + self.cache.v if name == "cache" else [self.media]
 
@@ -129,7 +126,7 @@ class XLAExecutor(Executor):
             (self.media,) = tensors
 
     def run_step(self, key, fn, inputs, state):
-        if not self._replaying():
+        if not self.replaying:
             return super().run_step(key, fn, inputs, state)
         step = self._replays.get(key)
         if step is None:  # the first call at this shape (warmup): trace and compile it

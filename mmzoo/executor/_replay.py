@@ -54,8 +54,25 @@ class ReplayedStep:
         for t in state:
             C._set_buffer_donation(t, True)
         outputs = list(fn(inputs, state))
-        roots = list(state) + outputs  # the state now holds its updated value as pending IR
-        graph_ids, graph_values = C._get_tensors_xla_device_data_node(roots)
+        # XLA pairs the donated parameters with the outputs of their shape in order, so the updated
+        # state must come out in the order its parameters go in (else each updated cache tensor is
+        # paired with another one's buffer, and XLA copies every one of them on every step). The
+        # parameters are numbered as the graph is walked from its roots, so reorder until stable.
+        self.order = list(range(len(state)))
+        for _ in range(len(state) + 1):
+            roots = [state[i] for i in self.order] + outputs  # the state holds its new value as pending IR
+            graph_ids, graph_values = C._get_tensors_xla_device_data_node(roots)
+            where = {tid: j for j, tid in enumerate(graph_ids)}
+            first = {i: where[tid] for tid, i in state_ids.items() if tid in where}  # state i -> its parameter
+            missing = sorted(set(range(len(state))) - set(first))
+            if missing:
+                raise ValueError(f"ReplayedStep: the step does not read state tensors {missing}")
+            by_param = sorted(range(len(state)), key=first.__getitem__)
+            if by_param == self.order:
+                break
+            self.order = by_param
+        else:
+            raise ValueError("ReplayedStep: no order of the state matches its parameters")
         if C._get_seed_info_id() in graph_ids:
             C._clear_pending_irs(str(torch_xla.device()))
             raise ValueError("ReplayedStep: the step draws from torch's XLA random generator; pass random draws as inputs")
@@ -68,9 +85,6 @@ class ReplayedStep:
                 self.params.append(("state", state_ids[tid]))
             else:
                 self.params.append(value)
-        used = {p[1] for p in self.params if isinstance(p, tuple) and p[0] == "state"}
-        if used != set(range(len(state))):
-            raise ValueError(f"ReplayedStep: the step does not read state tensors {sorted(set(range(len(state))) - used)}")
         before = C._xla_get_enable_alias_with_buffer_donor_config()
         C._xla_set_enable_alias_with_buffer_donor_config(True)  # alias the donated state to its new value
         try:
@@ -99,4 +113,7 @@ class ReplayedStep:
         args = [(inputs if p[0] == "input" else state)[p[1]] if isinstance(p, tuple) else p for p in self.params]
         res = C._run_cached_graph(self.graph_hash, args)
         n = len(state)
-        return list(res[n:]), list(res[:n])
+        new_state: list = [None] * n
+        for j, i in enumerate(self.order):
+            new_state[i] = res[j]
+        return list(res[n:]), new_state

@@ -38,7 +38,7 @@ def sweep(cfg, checkpoint: Path, text, say) -> list[dict]:
     over = OmegaConf.to_container(cfg.sweep.xla_overrides, resolve=True)
     xla = {**OmegaConf.to_container(cfg.executors.xla, resolve=True), **over,
            "max_batch": batch, "on_recompile": "warn", "progress": False}
-    for key in ("transpose_weights", "replay_steps"):  # single-device only: off for every point alike
+    for key in ("transpose_weights", "transpose_keys", "replay_steps"):  # single-device only: off for every point alike
         if key in xla:
             xla[key] = False
     rows = []

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("mmzoo-xla", "mmzoo-eager", "transformers")
 METRICS = ("completed", "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
@@ -43,8 +45,11 @@ def test_smoke_recipe_writes_every_figure(tmp_path):
     assert res["warmup"]["cold_s"] > 0 and res["warmup"]["warm_s"] > 0 and "note" in res["warmup"]
     roof = res["roofline"]
     assert roof["copy_bandwidth_GBps"] > 0 and roof["weight_bytes"] > 0 and roof["min_step_ms"] > 0
+    assert roof["read_bandwidth_GBps"] > 0
+    assert roof["min_step_ms_at_read_bw"] == pytest.approx(roof["weight_bytes"] / roof["read_bandwidth_GBps"] / 1e6)
     for name in SYSTEMS:
         assert 0 < roof[name]["fraction"]
+        assert roof[name]["weights_read_GBps"] == pytest.approx(roof["weight_bytes"] / roof[name]["step_ms"] / 1e6)
     assert {(r["system"], r["batch"]) for r in res["batch_sweep"]} == {
         (s, b) for b in res["config"]["sweep"]["batch_sizes"] for s in res["config"]["sweep"]["systems"]
     } | {("transformers", 1)}

@@ -71,6 +71,25 @@ def test_stop_tokens(eager_engine):
     assert stopped.token_ids == tokens[:cut] and stopped.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("engine", ["xla_engine", "eager_engine"])
+def test_early_stops_in_a_full_batch_equal_each_request_alone(engine, request, image_files):
+    """Decode runs one step ahead of the tokens read back, so a sequence that stops has had one
+    more step computed into its slot before the next request takes it: results still equal each
+    request's alone (greedy and sampled, stops at different steps, slots refilled)."""
+    eng = request.getfixturevalue(engine)
+    reqs = workload(image_files) * 2
+    for i, r in enumerate(reqs):
+        r.update(max_new_tokens=6 + i % 3, id=i)
+    full = eng.generate(reqs)
+    for i, (r, res) in enumerate(zip(reqs, full)):
+        if i % 2:  # stop at the token generated at step 1 + i % 4
+            r["stop_token_ids"] = [res.token_ids[1 + i % 4]]
+    batched = eng.generate(reqs)
+    assert any(r.finish_reason == "stop" for r in batched) and any(r.finish_reason == "length" for r in batched)
+    alone = [eng.generate([r])[0] for r in reqs]
+    assert [(r.token_ids, r.finish_reason) for r in batched] == [(r.token_ids, r.finish_reason) for r in alone]
+
+
 def test_bad_requests_fail_alone(xla_engine, image_files):
     too_long = {"prompt": "word " * 200, "max_new_tokens": 2}
     # 24 images (one tower call each, 16-32 patches: every call fits) whose 144 image tokens overflow the prompt
@@ -153,3 +172,36 @@ def test_steps_replay_their_compiled_graphs(xla_engine, qwen2_vl_ckpt, image_fil
     before = exe.compiled_graphs()
     assert [r.token_ids for r in xla_engine.generate(reqs)] == expected
     assert exe.compiled_graphs() == before
+
+
+def test_replayed_steps_emit_the_state_in_its_parameters_order(xla_engine):
+    """XLA pairs donated buffers with the outputs of their shape in order, so every replayed step
+    emits its updated state in the order the state's parameters enter the graph. A decode step
+    reads the cache layer by layer (k0, v0, k1, v1): emitted in the cache's own order (k0, k1, v0,
+    v1) each layer's keys were paired with another tensor's buffer, and XLA copied the whole cache
+    on every step."""
+    exe = xla_engine.executor
+    n = len(exe.cache.k)
+    for key, step in exe._replays.items():
+        donated = [p[1] for p in step.params if isinstance(p, tuple) and p[0] == "state"]
+        assert donated == step.order, key
+    decode = exe._replays[("decode", True)]
+    assert decode.order == [i for layer in range(n) for i in (layer, n + layer)]
+
+
+def test_keys_held_transposed_on_xla_cpu(xla_engine, qwen2_vl_ckpt, image_files):
+    """With matmul attention on the XLA CPU client the cache holds keys as [.., head_dim, len]
+    (decode's q @ k^T reads them in place); tokens equal the usual layout's, and Pallas attention
+    (whose kernels read [len, head_dim] tiles) keeps the usual layout."""
+    cache = xla_engine.executor.cache
+    assert cache.keys_transposed and cache.k[0].shape == cache.v[0].shape[:2] + cache.v[0].shape[:1:-1]
+    assert cache.keys(0).shape == cache.v[0].shape
+    plain = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, warmup=False,
+                       transpose_keys=False, **SMALL)
+    assert not plain.executor.cache.keys_transposed
+    reqs = workload(image_files)
+    assert [r.token_ids for r in xla_engine.generate(reqs)] == [r.token_ids for r in plain.generate(reqs)]
+    pallas = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="pallas", max_batch=1, warmup=False, **SMALL)
+    assert not pallas.executor.cache.keys_transposed
+    with pytest.raises(ValueError, match="transpose_keys"):
+        mmzoo.executor.XLAExecutor(transpose_keys="sometimes")

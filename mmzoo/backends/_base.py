@@ -14,6 +14,10 @@ class AttentionBackend:
     """
 
     name: str = "?"
+    # whether the backend multiplies q by k^T with a plain matmul: an executor may then hold a KV
+    # cache's keys transposed, and the matmul reads them in place (a kernel reading [s, d] key
+    # tiles, like Pallas', would instead need them copied back)
+    matmul_keys: bool = False
 
     def check_shape(self, *, head_dim: int, num_heads: int, num_kv_heads: int) -> None:
         """Raise ``ValueError`` if this backend cannot run attention of this shape.

@@ -11,6 +11,7 @@ class EagerAttention(AttentionBackend):
     """``softmax(q k^T * scale + mask) v`` written out, in float32 for the softmax."""
 
     name = "eager"
+    matmul_keys = True
 
     def __call__(self, q, k, v, *, scale, causal=False, q_segment_ids=None, kv_segment_ids=None,
                  q_positions=None, kv_lengths=None):

@@ -13,10 +13,16 @@ class SDPAAttention(AttentionBackend):
     head into its query rows (:func:`fold_gqa`), so the kv heads are never repeated."""
 
     name = "sdpa"
+    matmul_keys = True
 
     def __call__(self, q, k, v, *, scale, causal=False, q_segment_ids=None, kv_segment_ids=None,
                  q_positions=None, kv_lengths=None):
         check_inputs(q, k, v)
+        if q.device.type == "xla":
+            # torch_xla lowers SDPA to its math form, which scales q and k by sqrt(scale) each: a
+            # multiply over every key (the whole KV cache, in decode) per call. Scaling the few
+            # queries instead leaves the keys as they are.
+            q, scale = q * scale, 1.0
         sq, skv = q.shape[2], k.shape[2]
         if causal and sq == skv and q_positions is None and q_segment_ids is None \
                 and kv_segment_ids is None and kv_lengths is None:

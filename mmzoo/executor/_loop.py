@@ -11,7 +11,9 @@ Three kinds of device step, each a fixed set of shapes on XLA:
   persistent media buffer at an offset, so the prompt graph never depends on media sizes;
 * **prefill** (per prompt bucket): merge token and media embeddings, fill one KV-cache slot,
   sample the first token;
-* **decode** (one shape): one token for every slot, then sampling.
+* **decode** (one shape): one token for every slot, then sampling. One decode step stays in
+  flight: step N+1 takes its input tokens from step N's device output and is launched before
+  step N's tokens are read back, so the host's per-step work overlaps the device's.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class _Seq:
     index: int  # position in the request list
     rng: np.random.Generator
     last: int = 0  # the newest token, not yet in the cache
+    planned: int = 0  # tokens computed or launched
 
 
 class Executor:
@@ -109,6 +112,10 @@ class Executor:
     def describe(self) -> str:
         return self.name
 
+    def hold_keys_transposed(self, model) -> bool:
+        """Whether the KV cache holds keys as ``[.., head_dim, len]`` (:class:`~mmzoo.lms.KVCache`)."""
+        return False
+
     def shard(self) -> None:
         """Annotate the placed weights and KV cache with a device-mesh sharding (the XLA executor
         with a mesh: :mod:`mmzoo.executor._sharding`); called by setup() before they materialize."""
@@ -126,7 +133,8 @@ class Executor:
         self.model = model
         lm = model.lm
         self.cache = KVCache(num_layers=lm.num_layers, num_slots=self.max_batch, num_kv_heads=lm.num_kv_heads,
-                             max_len=self.max_model_len, head_dim=lm.head_dim, dtype=self.dtype, device=dev)
+                             max_len=self.max_model_len, head_dim=lm.head_dim, dtype=self.dtype, device=dev,
+                             keys_transposed=self.hold_keys_transposed(model))
         self.media = torch.zeros(self.max_media_rows(), lm.dim, dtype=self.dtype, device=dev)
         self.eos = set(int(e) for e in eos_token_ids)
         self._encoded_rows: dict = {}  # encode step key -> embedding rows it writes
@@ -256,26 +264,38 @@ class Executor:
         return logits[0].cpu().numpy()[: len(prepared.input_ids)]
 
     @torch.no_grad()
-    def decode(self, active: dict[int, _Seq]) -> torch.Tensor:
-        """One token for every slot (empty slots compute garbage that is ignored) -> ``[slots]``."""
+    def decode(self, active: dict[int, _Seq], prev: torch.Tensor | None = None,
+               from_prev: frozenset[int] = frozenset()) -> torch.Tensor:
+        """One token for every slot (empty slots compute garbage that is ignored) -> ``[slots]``.
+
+        Each sequence's input token is its ``last``, or for the slots in ``from_prev`` the entry of
+        ``prev`` (the previous decode step's device output, not yet read back): so the next step
+        can be launched before the host has the tokens of this one."""
         b = self.max_batch
         tokens, write, rope = np.zeros((b, 1), np.int64), np.zeros((b, 1), np.int64), np.zeros(b, np.int64)
+        use_prev = np.zeros(b, np.bool_)
         for slot, seq in active.items():
-            tokens[slot, 0], write[slot, 0] = seq.last, seq.length
+            use_prev[slot] = slot in from_prev
+            tokens[slot, 0] = 0 if use_prev[slot] else seq.last
+            write[slot, 0] = seq.length
             rope[slot] = seq.length + seq.prepared.position_delta
         axes = self.model.lm.rotary.num_axes
-        arrays = [tokens, np.broadcast_to(rope[None, :, None], (axes, b, 1)), write, np.zeros(b, np.int64)]
+        arrays = [use_prev, tokens, np.broadcast_to(rope[None, :, None], (axes, b, 1)), write, np.zeros(b, np.int64)]
         seqs = list(active.items())
         greedy_only = self._greedy_only(seqs)
         if not greedy_only:
             arrays += self._sampling_arrays(seqs, b)
 
-        def step(tokens, rope, write, logits_index, *sampling):
+        def step(prev, use_prev, tokens, rope, write, logits_index, *sampling):
+            tokens = torch.where(use_prev[:, None], prev[:, None], tokens)
             logits = self.model(tokens, rope, cache=self.cache.decode(write), attn_kwargs={"q_positions": write},
                                 logits_index=logits_index)
             return (sample(logits, *sampling) if sampling else greedy(logits),)
 
-        (token_ids,) = self.run_step(("decode", greedy_only), step, [self._tensor(a) for a in arrays], "cache")
+        if prev is None:
+            prev = self._tensor(np.zeros(b, np.int64))
+        inputs = [prev] + [self._tensor(a) for a in arrays]
+        (token_ids,) = self.run_step(("decode", greedy_only), step, inputs, "cache")
         return token_ids
 
     # -- the schedule --------------------------------------------------------------------
@@ -303,20 +323,26 @@ class Executor:
             if on_result:
                 on_result(r)
 
-        def emit(seq: _Seq, token: int) -> None:
+        def emit(seq: _Seq, token: int, cached: int) -> None:
+            """Hand out ``token``; ``cached``: the sequence's tokens in the cache when it was computed."""
             req, res = seq.prepared.request, seq.result
             res.token_ids.append(token)
             res.token_times_s.append(time.perf_counter() - t0)
             seq.last = token
             reason = ("stop" if (token in self.eos and not req.ignore_eos) or token in req.stop_token_ids else
                       "length" if len(res.token_ids) >= req.max_new_tokens else
-                      "max_model_len" if seq.length >= self.max_model_len else None)
+                      "max_model_len" if cached >= self.max_model_len else None)
             if reason:
                 res.finish_reason = reason
                 res.text = decode_text(res.token_ids)
                 del active[seq.slot]
                 done(seq.index, res)
 
+        # One decode step stays in flight: step N+1 is launched (its input tokens taken from step
+        # N's device output) before step N's tokens are read back, so the host's work for a step
+        # overlaps the device's. A sequence that stops at step N has had step N+1 computed for it
+        # too; that token is dropped (its cache slot is rewritten by the next prompt's prefill).
+        inflight = None  # (token ids on the device, [(slot, seq, tokens cached after the step)])
         while pending or active:
             for slot in range(self.max_batch):
                 if slot in active or not pending:
@@ -343,15 +369,29 @@ class Executor:
                     continue
                 result.ttft_s = time.perf_counter() - t0
                 active[slot] = seq
-                emit(seq, token)
-            if not active:
-                continue
-            nxt = self.decode(active)
-            self.step_done()
-            nxt = nxt.cpu().numpy()
-            for slot, seq in list(active.items()):
-                seq.length += 1
-                emit(seq, int(nxt[slot]))
+                seq.planned = 1
+                emit(seq, token, seq.length)
+            # launch the next step for every sequence that still needs a token not yet computed
+            flying = {slot: seq for slot, seq, _ in inflight[1]} if inflight else {}
+            go = {slot: seq for slot, seq in active.items()
+                  if seq.planned < seq.prepared.request.max_new_tokens and seq.length < self.max_model_len}
+            launched = None
+            if go:
+                from_prev = frozenset(slot for slot, seq in go.items() if flying.get(slot) is seq)
+                out = self.decode(go, prev=inflight[0] if inflight else None, from_prev=from_prev)
+                self.step_done()
+                rows = []
+                for slot, seq in go.items():
+                    seq.length += 1
+                    seq.planned += 1
+                    rows.append((slot, seq, seq.length))
+                launched = (out, rows)
+            if inflight:
+                tokens = inflight[0].cpu().numpy()
+                for slot, seq, cached in inflight[1]:
+                    if active.get(slot) is seq:
+                        emit(seq, int(tokens[slot]), cached)
+            inflight = launched
         if bar:
             bar.close()
         return results

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import warnings
+from collections import deque
 
 import numpy as np
 import torch
@@ -54,6 +55,10 @@ class XLAExecutor(Executor):
         progress: progress bars for warmup and generation.
         transpose_weights: hold linear weights as ``[in, out]`` (:mod:`mmzoo.executor._layout`);
             ``"auto"``: on the XLA CPU client without a mesh, where it removes a weight copy per step.
+        transpose_keys: hold the KV cache's keys as ``[.., head_dim, len]``, so the decode step's
+            ``q @ k^T`` reads them in place (:class:`~mmzoo.lms.KVCache`); ``"auto"``: on the XLA
+            CPU client without a mesh, when every LM attention backend is matmul-based (sdpa,
+            eager; not Pallas, whose kernels read ``[len, head_dim]`` tiles).
         replay_steps: after warmup, run each step (encode, prefill, decode) as its compiled graph
             with new inputs instead of tracing it again on every call
             (:mod:`mmzoo.executor._replay`); ``"auto"``: without a device mesh.
@@ -66,7 +71,7 @@ class XLAExecutor(Executor):
                  encoder_buckets: dict[str, list[int]] | None = None, min_encoder_rows: int = 64,
                  max_encoder_rows: int = 16384, warmup: bool = True, on_recompile: str = "warn",
                  compile_cache_dir: str | None = None, progress: bool = False, transpose_weights: bool | str = "auto",
-                 replay_steps: bool | str = "auto"):
+                 transpose_keys: bool | str = "auto", replay_steps: bool | str = "auto"):
         super().__init__(max_model_len=max_model_len, max_batch=max_batch, progress=progress)
         if on_recompile not in ("error", "warn", "ignore"):
             raise ValueError(f"on_recompile={on_recompile!r}: choose error, warn or ignore")
@@ -80,11 +85,18 @@ class XLAExecutor(Executor):
         if transpose_weights not in ("auto", True, False):
             raise ValueError(f"transpose_weights={transpose_weights!r}: choose auto, true or false")
         self.transpose_weights = transpose_weights
+        if transpose_keys not in ("auto", True, False):
+            raise ValueError(f"transpose_keys={transpose_keys!r}: choose auto, true or false")
+        self.transpose_keys = transpose_keys
         if replay_steps not in ("auto", True, False):
             raise ValueError(f"replay_steps={replay_steps!r}: choose auto, true or false")
         self.replay_steps = replay_steps
         self.replaying = False  # set by setup(): replay_steps resolved against the mesh
         self._replays: dict = {}  # step key (kind and static shape) -> ReplayedStep
+        # the state tensors donated to the last two replayed steps: dropping a donated tensor waits
+        # for the step that consumed it, so they are let go only once that step is surely done
+        self._retired: deque = deque(maxlen=2)
+        self._replayed = False  # the last step was replayed: nothing is left to sync
         self.do_warmup, self.on_recompile = warmup, on_recompile
         self.warmup_s: float | None = None
         self._baseline: int | None = None
@@ -114,6 +126,18 @@ class XLAExecutor(Executor):
             hold_linears_transposed(self.model)
             self.step_done()
 
+    def hold_keys_transposed(self, model) -> bool:
+        if self.transpose_keys is True and self.sharding is not None:
+            raise ValueError("transpose_keys=true is not supported with a device mesh (the sharding rules name "
+                             "[slots, heads, len, head_dim] keys); use auto or false")
+        if self.transpose_keys != "auto":
+            return bool(self.transpose_keys)
+        from mmzoo.layers.attention import Attention
+
+        backends = [m.attn_fn for m in model.lm.modules() if isinstance(m, Attention)]
+        return (os.environ.get("PJRT_DEVICE") == "CPU" and self.sharding is None
+                and all(getattr(b, "matmul_keys", False) for b in backends))
+
     # -- steps: traced once, then replayed ----------------------------------------------------
     def _state(self, name: str) -> list[torch.Tensor]:
         return self.cache.k + self.cache.v if name == "cache" else [self.media]
@@ -141,8 +165,11 @@ class XLAExecutor(Executor):
                     self._hold(state, real)
 
             step = self._replays[key] = ReplayedStep(traced, inputs, self._state(state))
-        outputs, new = step(inputs, self._state(state))
+        old = self._state(state)
+        outputs, new = step(inputs, old)
+        self._retired.append(old)
         self._hold(state, new)
+        self._replayed = True
         return outputs
 
     # -- shapes ----------------------------------------------------------------------------
@@ -175,7 +202,9 @@ class XLAExecutor(Executor):
         return None if self._baseline is None else self.compiled_graphs() - self._baseline
 
     def step_done(self) -> None:
-        self._xla.sync()
+        if not self._replayed:  # a replayed step is already running: a sync would only wait for it
+            self._xla.sync()
+        self._replayed = False
         if self._baseline is None:
             return
         count = self.compiled_graphs()

@@ -7,6 +7,12 @@ graph serves every step. Attention layers see a *view* with ``update(layer_idx, 
 * :class:`PrefillView` writes a prompt's keys into its slot and lets the prompt attend to itself.
 * :class:`DecodeView` writes one (or a few) new tokens per slot and attends over the whole row;
   the causal rule with ``q_positions`` hides everything past each sequence's length.
+
+With ``keys_transposed`` the keys are held as ``[num_slots, kv_heads, head_dim, max_len]``. An
+attention that multiplies ``q @ k^T`` then finds ``k^T`` already in memory: XLA's CPU dot wants
+that operand row-major, so with the usual layout it copied every cached key of every layer on
+every decode step (the executor chooses this layout; attention still sees ``[b, h, s, d]``
+keys, as a transposed view).
 """
 
 from __future__ import annotations
@@ -18,11 +24,16 @@ class KVCache:
     """Keys and values for ``num_slots`` sequences of up to ``max_len`` tokens."""
 
     def __init__(self, *, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", keys_transposed: bool = False):
         shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        kshape = (num_slots, num_kv_heads, head_dim, max_len) if keys_transposed else shape
+        self.k = [torch.zeros(kshape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_slots, self.max_len = num_slots, max_len
+        self.num_slots, self.max_len, self.keys_transposed = num_slots, max_len, keys_transposed
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """The keys of ``layer`` as ``[num_slots, kv_heads, max_len, head_dim]`` (a view when held transposed)."""
+        return self.k[layer].transpose(-1, -2) if self.keys_transposed else self.k[layer]
 
     @staticmethod
     def write_index(slots: torch.Tensor, positions: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, ...]:
@@ -38,7 +49,13 @@ class KVCache:
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, index: tuple[torch.Tensor, ...]):
         # k, v: [b, hkv, s, d] -> cache[slot, h, pos] = k[:, h]
-        self.k[layer].index_put_(index, k)
+        if self.keys_transposed:  # cache[slot, h, :, pos] = k[:, h], every axis indexed (see write_index)
+            shape = k.shape
+            dims = torch.arange(shape[-1], device=k.device).view(1, 1, 1, shape[-1]).expand(shape)
+            slot, head, pos = (i.unsqueeze(-1).expand(shape) for i in index)
+            self.k[layer].index_put_((slot, head, dims, pos), k)
+        else:
+            self.k[layer].index_put_(index, k)
         self.v[layer].index_put_(index, v)
 
     def prefill(self, slots: torch.Tensor, positions: torch.Tensor) -> "PrefillView":
@@ -75,4 +92,4 @@ class DecodeView(PrefillView):
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         self.cache._write(layer, k, v, self.index(k.shape[1]))
-        return self.cache.k[layer], self.cache.v[layer]
+        return self.cache.keys(layer), self.cache.v[layer]

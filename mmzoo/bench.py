@@ -239,6 +239,17 @@ def build_engine(cfg: DictConfig, checkpoint: Path, kind: str, **overrides):
 
 # ---------------------------------------------------------------- roofline
 
+def _best_seconds(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` (after one untimed call)."""
+    fn()
+    best = float("inf")
+    for _ in range(max(1, int(repeats))):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def copy_bandwidth(mb: int, repeats: int) -> float:
     """Bytes per second of a large tensor copy, best of ``repeats``, counting the bytes read and
     written (STREAM's "copy" convention)."""
@@ -246,13 +257,7 @@ def copy_bandwidth(mb: int, repeats: int) -> float:
 
     src = torch.ones(int(mb) * 2**20 // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in
-    best = float("inf")
-    for _ in range(max(1, int(repeats))):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.numel() * src.element_size() / best
+    return 2 * src.numel() * src.element_size() / _best_seconds(lambda: dst.copy_(src), repeats)
 
 
 def read_bandwidth(mb: int, repeats: int) -> float:
@@ -261,13 +266,7 @@ def read_bandwidth(mb: int, repeats: int) -> float:
     import torch
 
     src = torch.ones(int(mb) * 2**20 // 4, dtype=torch.float32)
-    src.sum()
-    best = float("inf")
-    for _ in range(max(1, int(repeats))):
-        t0 = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t0)
-    return src.numel() * src.element_size() / best
+    return src.numel() * src.element_size() / _best_seconds(src.sum, repeats)
 
 
 def decode_weight_bytes(lm, dtype: str, batch: int = 1) -> int:

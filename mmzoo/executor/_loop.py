@@ -67,7 +67,6 @@ class _Seq:
     index: int  # position in the request list
     rng: np.random.Generator
     last: int = 0  # the newest token, not yet in the cache
-    planned: int = 0  # tokens computed or launched
 
 
 class Executor:
@@ -369,23 +368,19 @@ class Executor:
                     continue
                 result.ttft_s = time.perf_counter() - t0
                 active[slot] = seq
-                seq.planned = 1
                 emit(seq, token, seq.length)
             # launch the next step for every sequence that still needs a token not yet computed
             flying = {slot: seq for slot, seq, _ in inflight[1]} if inflight else {}
-            go = {slot: seq for slot, seq in active.items()
-                  if seq.planned < seq.prepared.request.max_new_tokens and seq.length < self.max_model_len}
+            ahead = frozenset(slot for slot, seq in active.items() if flying.get(slot) is seq)  # a token in flight
+            go = {slot: seq for slot, seq in active.items() if seq.length < self.max_model_len and
+                  len(seq.result.token_ids) + (slot in ahead) < seq.prepared.request.max_new_tokens}
             launched = None
             if go:
-                from_prev = frozenset(slot for slot, seq in go.items() if flying.get(slot) is seq)
-                out = self.decode(go, prev=inflight[0] if inflight else None, from_prev=from_prev)
+                out = self.decode(go, prev=inflight[0] if inflight else None, from_prev=ahead.intersection(go))
                 self.step_done()
-                rows = []
-                for slot, seq in go.items():
+                for seq in go.values():
                     seq.length += 1
-                    seq.planned += 1
-                    rows.append((slot, seq, seq.length))
-                launched = (out, rows)
+                launched = (out, [(slot, seq, seq.length) for slot, seq in go.items()])
             if inflight:
                 tokens = inflight[0].cpu().numpy()
                 for slot, seq, cached in inflight[1]:

@@ -9,7 +9,8 @@ import mmzoo
 from mmzoo.executor.xla import RecompileError
 from mmzoo.testing import make_image
 
-SMALL = dict(max_model_len=128, min_prefill=32, encoder_buckets={"vision": [64, 256]}, progress=False)
+SMALL = dict(max_model_len=128, min_prefill=32, min_decode_kv=32, encoder_buckets={"vision": [64, 256]},
+             progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,30 @@ def test_mixed_workload_compiles_nothing_after_warmup(xla_engine, image_files):
 def test_padded_xla_matches_unpadded_eager(xla_engine, eager_engine, image_files):
     greedy = [dict(r, temperature=0.0) for r in workload(image_files)]
     assert [r.token_ids for r in xla_engine.generate(greedy)] == [r.token_ids for r in eager_engine.generate(greedy)]
+
+
+def test_decode_attends_over_the_smallest_cache_bucket_holding_the_batch(xla_engine, eager_engine, image_files,
+                                                                        monkeypatch):
+    """Each decode step attends over the smallest KV-cache length bucket that holds its longest
+    sequence: the mixed workload runs at several buckets, each step's bucket holds every active
+    sequence, and the tokens equal eager's (which always reads the whole cache)."""
+    exe = xla_engine.executor
+    assert exe.decode_kv_buckets == [32, 64, 128]
+    picked, decode = [], exe.decode
+
+    def recording(active, *args, **kwargs):
+        longest = max(seq.length for seq in active.values()) + 1
+        picked.append((longest, exe.decode_kv_len(longest)))
+        return decode(active, *args, **kwargs)
+
+    monkeypatch.setattr(exe, "decode", recording)
+    greedy = [dict(r, temperature=0.0, max_new_tokens=12) for r in workload(image_files)]
+    assert [r.token_ids for r in xla_engine.generate(greedy)] == [r.token_ids for r in eager_engine.generate(greedy)]
+    assert len({kv for _, kv in picked}) >= 2, picked  # sequences grew across a bucket boundary
+    assert all(n <= kv and (kv == 32 or n > kv // 2) for n, kv in picked), picked
+    with pytest.raises(ValueError, match="decode_kv_buckets"):
+        mmzoo.executor.XLAExecutor(max_model_len=128, decode_kv_buckets=[64, 256])
+    assert mmzoo.executor.XLAExecutor(max_model_len=128, decode_kv_buckets=[64])._kv_buckets == [64, 128]
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(eager_engine, image_files):
@@ -156,7 +181,8 @@ def test_steps_replay_their_compiled_graphs(xla_engine, qwen2_vl_ckpt, image_fil
     exe = xla_engine.executor
     kinds = {key[0] for key in exe._replays}
     assert kinds == {"encode", "embeds", "prefill", "decode"}, exe._replays.keys()
-    assert {k for k in exe._replays if k[0] == "decode"} == {("decode", True), ("decode", False)}
+    assert {k for k in exe._replays if k[0] == "decode"} == {("decode", g, kv) for g in (True, False)
+                                                             for kv in exe.decode_kv_buckets}
     assert {k[1:] for k in exe._replays if k[0] == "prefill"} == {(s, g) for s in exe.prefill_buckets for g in (True, False)}
     traced = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, on_recompile="error",
                         replay_steps=False, **SMALL)
@@ -185,7 +211,7 @@ def test_replayed_steps_emit_the_state_in_its_parameters_order(xla_engine):
     for key, step in exe._replays.items():
         donated = [p[1] for p in step.params if isinstance(p, tuple) and p[0] == "state"]
         assert donated == step.order, key
-    decode = exe._replays[("decode", True)]
+    decode = exe._replays[("decode", True, exe.decode_kv_buckets[0])]
     assert decode.order == [i for layer in range(n) for i in (layer, n + layer)]
 
 
@@ -203,5 +229,6 @@ def test_keys_held_transposed_on_xla_cpu(xla_engine, qwen2_vl_ckpt, image_files)
     assert [r.token_ids for r in xla_engine.generate(reqs)] == [r.token_ids for r in plain.generate(reqs)]
     pallas = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="pallas", max_batch=1, warmup=False, **SMALL)
     assert not pallas.executor.cache.keys_transposed
+    assert pallas.executor.decode_kv_buckets == [128]  # its decode kernel stops at each sequence's length
     with pytest.raises(ValueError, match="transpose_keys"):
         mmzoo.executor.XLAExecutor(transpose_keys="sometimes")

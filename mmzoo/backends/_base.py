@@ -18,6 +18,10 @@ class AttentionBackend:
     # cache's keys transposed, and the matmul reads them in place (a kernel reading [s, d] key
     # tiles, like Pallas', would instead need them copied back)
     matmul_keys: bool = False
+    # whether the backend itself skips the keys past each query's position (Pallas' decode kernel
+    # stops at the last block a sequence reaches): an executor then gains nothing by handing it a
+    # shorter, bucketed view of the KV cache, and hands it the whole cache
+    skips_past_length: bool = False
 
     def check_shape(self, *, head_dim: int, num_heads: int, num_kv_heads: int) -> None:
         """Raise ``ValueError`` if this backend cannot run attention of this shape.

@@ -11,7 +11,9 @@ Three kinds of device step, each a fixed set of shapes on XLA:
   persistent media buffer at an offset, so the prompt graph never depends on media sizes;
 * **prefill** (per prompt bucket): merge token and media embeddings, fill one KV-cache slot,
   sample the first token;
-* **decode** (one shape): one token for every slot, then sampling. One decode step stays in
+* **decode** (per cache-length bucket): one token for every slot, attending over the first
+  ``kv_len`` cache positions (the smallest bucket that holds every active sequence), then
+  sampling. One decode step stays in
   flight: step N+1 takes its input tokens from step N's device output and is launched before
   step N's tokens are read back, so the host's per-step work overlaps the device's.
 """
@@ -97,6 +99,11 @@ class Executor:
     def encoder_rows(self, tower: str, n: int) -> int:
         """The padded input-row count for ``n`` input rows of ``tower``."""
         return n
+
+    def decode_kv_len(self, n: int) -> int | None:
+        """The KV-cache positions a decode step whose longest sequence will hold ``n`` tokens
+        attends over; None: the whole cache."""
+        return None
 
     def max_media_rows(self) -> int:
         """Rows of the media buffer: every placeholder of the longest prompt, plus padding room."""
@@ -271,6 +278,7 @@ class Executor:
         ``prev`` (the previous decode step's device output, not yet read back): so the next step
         can be launched before the host has the tokens of this one."""
         b = self.max_batch
+        kv_len = self.decode_kv_len(max(seq.length for seq in active.values()) + 1)
         tokens, write, rope = np.zeros((b, 1), np.int64), np.zeros((b, 1), np.int64), np.zeros(b, np.int64)
         use_prev = np.zeros(b, np.bool_)
         for slot, seq in active.items():
@@ -287,14 +295,14 @@ class Executor:
 
         def step(prev, use_prev, tokens, rope, write, logits_index, *sampling):
             tokens = torch.where(use_prev[:, None], prev[:, None], tokens)
-            logits = self.model(tokens, rope, cache=self.cache.decode(write), attn_kwargs={"q_positions": write},
-                                logits_index=logits_index)
+            logits = self.model(tokens, rope, cache=self.cache.decode(write, kv_len),
+                                attn_kwargs={"q_positions": write}, logits_index=logits_index)
             return (sample(logits, *sampling) if sampling else greedy(logits),)
 
         if prev is None:
             prev = self._tensor(np.zeros(b, np.int64))
         inputs = [prev] + [self._tensor(a) for a in arrays]
-        (token_ids,) = self.run_step(("decode", greedy_only), step, inputs, "cache")
+        (token_ids,) = self.run_step(("decode", greedy_only, kv_len), step, inputs, "cache")
         return token_ids
 
     # -- the schedule --------------------------------------------------------------------

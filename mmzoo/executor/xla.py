@@ -49,6 +49,11 @@ class XLAExecutor(Executor):
             ``max_model_len``, in steps of ``prefill_linear_step`` past ``prefill_linear_after``.
         encoder_buckets: tower name -> padded input-row counts (Qwen2-VL: patches per call);
             default: doubling from ``min_encoder_rows`` to ``max_encoder_rows``.
+        decode_kv_buckets: KV-cache lengths a decode step attends over (the smallest that holds
+            the longest active sequence), so a step with short sequences reads only the start of
+            the cache; ``max_model_len`` is always one. Default: doubling from ``min_decode_kv``,
+            or only ``max_model_len`` when every LM attention backend skips the keys past each
+            sequence's length itself (Pallas).
         warmup: compile every graph in :meth:`warmup` when the engine is loaded.
         on_recompile: ``error``, ``warn`` or ``ignore`` when a graph compiles after warmup.
         compile_cache_dir: persistent XLA compilation cache (None: off).
@@ -69,7 +74,8 @@ class XLAExecutor(Executor):
     def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, prefill_buckets: list[int] | None = None,
                  min_prefill: int = 16, prefill_linear_after: int | None = None, prefill_linear_step: int | None = None,
                  encoder_buckets: dict[str, list[int]] | None = None, min_encoder_rows: int = 64,
-                 max_encoder_rows: int = 16384, warmup: bool = True, on_recompile: str = "warn",
+                 max_encoder_rows: int = 16384, decode_kv_buckets: list[int] | None = None,
+                 min_decode_kv: int = 128, warmup: bool = True, on_recompile: str = "warn",
                  compile_cache_dir: str | None = None, progress: bool = False, transpose_weights: bool | str = "auto",
                  transpose_keys: bool | str = "auto", replay_steps: bool | str = "auto"):
         super().__init__(max_model_len=max_model_len, max_batch=max_batch, progress=progress)
@@ -82,6 +88,15 @@ class XLAExecutor(Executor):
             raise ValueError(f"prefill bucket {self.prefill_buckets[-1]} exceeds max_model_len={max_model_len}")
         self.encoder_buckets = {k: sorted(int(x) for x in v) for k, v in (encoder_buckets or {}).items()}
         self.default_encoder_buckets = doubling(min_encoder_rows, max_encoder_rows)
+        if decode_kv_buckets is not None:
+            kv = sorted({int(x) for x in decode_kv_buckets})
+            if kv[0] <= 0 or kv[-1] > max_model_len:
+                raise ValueError(f"decode_kv_buckets={kv} must lie in [1, max_model_len={max_model_len}]")
+            self._kv_buckets = kv if kv[-1] == max_model_len else kv + [max_model_len]
+        else:
+            self._kv_buckets = None  # resolved in setup(), against the model's attention backends
+        self.min_decode_kv = min_decode_kv
+        self.decode_kv_buckets: list[int] = []
         if transpose_weights not in ("auto", True, False):
             raise ValueError(f"transpose_weights={transpose_weights!r}: choose auto, true or false")
         self.transpose_weights = transpose_weights
@@ -120,6 +135,10 @@ class XLAExecutor(Executor):
         if self.replay_steps is True and self.sharding is not None:
             raise ValueError("replay_steps=true is not supported with a device mesh; use auto or false")
         self.replaying = self.sharding is None if self.replay_steps == "auto" else bool(self.replay_steps)
+        skipping = all(getattr(b, "skips_past_length", False) for b in self._lm_backends(model))
+        self.decode_kv_buckets = self._kv_buckets or (
+            [self.max_model_len] if skipping else doubling(min(self.min_decode_kv, self.max_model_len),
+                                                           self.max_model_len))
         if transpose:
             from mmzoo.executor._layout import hold_linears_transposed
 
@@ -132,11 +151,14 @@ class XLAExecutor(Executor):
                              "[slots, heads, len, head_dim] keys); use auto or false")
         if self.transpose_keys != "auto":
             return bool(self.transpose_keys)
+        return (os.environ.get("PJRT_DEVICE") == "CPU" and self.sharding is None
+                and all(getattr(b, "matmul_keys", False) for b in self._lm_backends(model)))
+
+    @staticmethod
+    def _lm_backends(model) -> list:
         from mmzoo.layers.attention import Attention
 
-        backends = [m.attn_fn for m in model.lm.modules() if isinstance(m, Attention)]
-        return (os.environ.get("PJRT_DEVICE") == "CPU" and self.sharding is None
-                and all(getattr(b, "matmul_keys", False) for b in backends))
+        return [m.attn_fn for m in model.lm.modules() if isinstance(m, Attention)]
 
     # -- steps: traced once, then replayed ----------------------------------------------------
     def _state(self, name: str) -> list[torch.Tensor]:
@@ -184,6 +206,9 @@ class XLAExecutor(Executor):
 
     def encoder_rows(self, tower: str, n: int) -> int:
         return pick(self.tower_buckets(tower), n, f"{tower} encoder input rows")
+
+    def decode_kv_len(self, n: int) -> int:
+        return pick(self.decode_kv_buckets, n, "decode KV-cache length (tokens)")
 
     def max_media_rows(self) -> int:
         largest = max([self.default_encoder_buckets[-1]] + [b[-1] for b in self.encoder_buckets.values()])
@@ -245,14 +270,14 @@ class XLAExecutor(Executor):
 
     # -- warmup ----------------------------------------------------------------------------
     def warmup(self, dummy_media=None) -> float:
-        """Compile every graph: each tower at each bucket, prefill at each bucket, decode; greedy and
-        sampling heads. ``dummy_media(tower, rows)`` gives a :class:`TowerInput` of that many rows.
+        """Compile every graph: each tower at each bucket, prefill at each bucket, decode at each
+        KV-cache length bucket; greedy and sampling heads. ``dummy_media(tower, rows)`` gives a :class:`TowerInput` of that many rows.
         Returns the seconds taken; afterwards the compile guard is armed."""
         t0 = time.perf_counter()
         towers = list(self.model.towers) if dummy_media is not None else []
         plan = [("encode", t, r) for t in towers for r in self.tower_buckets(t)]
         plan += [("embeds", None, r) for r in self.default_encoder_buckets]  # precomputed-embeds writes
-        plan += [("prefill", None, s) for s in self.prefill_buckets] + [("decode", None, self.max_batch)]
+        plan += [("prefill", None, s) for s in self.prefill_buckets] + [("decode", None, kv) for kv in self.decode_kv_buckets]
         steps = plan
         if self.progress:
             from tqdm import tqdm
@@ -272,7 +297,9 @@ class XLAExecutor(Executor):
                 axes = self.model.lm.rotary.num_axes
                 p = Prepared(request=req, input_ids=ids, positions=np.zeros((axes, len(ids)), np.int64),
                              position_delta=0, mm_index=np.full(len(ids), -1, np.int64))
-                seq = _Seq(prepared=p, result=None, slot=0, length=0, index=0, rng=np.random.default_rng(0))
+                # a decode step of a sequence filling its kv bucket (prefill: an empty slot)
+                length = size - 1 if kind == "decode" else 0
+                seq = _Seq(prepared=p, result=None, slot=0, length=length, index=0, rng=np.random.default_rng(0))
                 out = self.prefill(seq) if kind == "prefill" else self.decode({0: seq})
                 self.step_done()
                 out.cpu()

@@ -5,8 +5,10 @@ holds one sequence; writing at explicit positions keeps every shape static, so o
 graph serves every step. Attention layers see a *view* with ``update(layer_idx, k, v)``:
 
 * :class:`PrefillView` writes a prompt's keys into its slot and lets the prompt attend to itself.
-* :class:`DecodeView` writes one (or a few) new tokens per slot and attends over the whole row;
-  the causal rule with ``q_positions`` hides everything past each sequence's length.
+* :class:`DecodeView` writes one (or a few) new tokens per slot and attends over the first
+  ``kv_len`` positions of every row (the whole row by default); the causal rule with
+  ``q_positions`` hides everything past each sequence's length. An executor that knows no
+  sequence is longer than ``kv_len`` passes it, so attention reads only that part of the cache.
 
 With ``keys_transposed`` the keys are held as ``[num_slots, kv_heads, head_dim, max_len]``. An
 attention that multiplies ``q @ k^T`` then finds ``k^T`` already in memory: XLA's CPU dot wants
@@ -62,9 +64,11 @@ class KVCache:
         """A view writing ``[b, s]`` prompt positions into ``slots [b]``."""
         return PrefillView(self, slots, positions)
 
-    def decode(self, positions: torch.Tensor) -> "DecodeView":
-        """A view writing ``positions [num_slots, s]`` into every slot (one row per slot)."""
-        return DecodeView(self, positions)
+    def decode(self, positions: torch.Tensor, kv_len: int | None = None) -> "DecodeView":
+        """A view writing ``positions [num_slots, s]`` into every slot (one row per slot) and
+        attending over the first ``kv_len`` cache positions (None: all ``max_len``); every write
+        position must be below ``kv_len``."""
+        return DecodeView(self, positions, kv_len)
 
 
 class PrefillView:
@@ -85,11 +89,17 @@ class PrefillView:
 
 
 class DecodeView(PrefillView):
-    """Write new tokens of every slot and attend over the whole cache."""
+    """Write new tokens of every slot and attend over the first ``kv_len`` positions of the cache."""
 
-    def __init__(self, cache: KVCache, positions: torch.Tensor):
+    def __init__(self, cache: KVCache, positions: torch.Tensor, kv_len: int | None = None):
         super().__init__(cache, torch.arange(cache.num_slots, device=positions.device), positions)
+        if kv_len is not None and not 0 < kv_len <= cache.max_len:
+            raise ValueError(f"kv_len={kv_len} must be in [1, max_len={cache.max_len}]")
+        self.kv_len = kv_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         self.cache._write(layer, k, v, self.index(k.shape[1]))
-        return self.cache.keys(layer), self.cache.v[layer]
+        keys, values = self.cache.keys(layer), self.cache.v[layer]
+        if self.kv_len is None or self.kv_len == self.cache.max_len:
+            return keys, values
+        return keys[:, :, : self.kv_len], values[:, :, : self.kv_len]

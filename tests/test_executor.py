@@ -174,6 +174,50 @@ def test_linear_weights_held_transposed_on_xla_cpu(xla_engine, qwen2_vl_ckpt, im
     assert xla_engine.generate(req).token_ids == plain.generate(req).token_ids
 
 
+def test_projections_fused_on_xla_cpu(xla_engine, qwen2_vl_ckpt, image_files):
+    """On the XLA CPU client attention's q/k/v (LM and vision tower) and the gated MLP's gate/up
+    are one linear each; logits and tokens equal the separate projections'."""
+    from mmzoo.layers import Attention, GatedMLP
+
+    attns = [m for m in xla_engine.model.modules() if isinstance(m, Attention)]
+    mlps = [m for m in xla_engine.model.modules() if isinstance(m, GatedMLP)]
+    assert attns and all(m.qkv_proj is not None and not hasattr(m, "q_proj") for m in attns)
+    assert mlps and all(m.gate_up_proj is not None and not hasattr(m, "gate_proj") for m in mlps)
+    lm_attn = xla_engine.model.lm.layers[0].attn
+    assert lm_attn.qkv_proj.out_features == (lm_attn.num_heads + 2 * lm_attn.num_kv_heads) * lm_attn.head_dim
+    separate = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, warmup=False,
+                          fuse_projections=False, **SMALL)
+    assert all(m.qkv_proj is None for m in separate.model.modules() if isinstance(m, Attention))
+    req = mmzoo.Request(prompt="Describe.", images=image_files[:2], max_new_tokens=6, ignore_eos=True)
+    prepared = xla_engine.prepare(req)
+    torch.testing.assert_close(xla_engine.executor.prompt_logits(prepared),
+                               separate.executor.prompt_logits(prepared), rtol=0, atol=1e-4, check_dtype=False)
+    reqs = workload(image_files)
+    assert [r.token_ids for r in xla_engine.generate(reqs)] == [r.token_ids for r in separate.generate(reqs)]
+    with pytest.raises(ValueError, match="fuse_projections"):
+        mmzoo.executor.XLAExecutor(fuse_projections="yes")
+
+
+def test_fused_projections_compute_the_separate_ones():
+    """Attention.fuse_projections and GatedMLP.fuse_projections keep the module's function (q/k/v
+    with biases, GQA widths; gate/up), on plain CPU tensors."""
+    from mmzoo.backends import EagerAttention
+    from mmzoo.layers import Attention, GatedMLP, rope_1d
+
+    torch.manual_seed(0)
+    attn = Attention(dim=32, num_heads=4, num_kv_heads=2, head_dim=8, attn_fn=EagerAttention(), causal=True,
+                     qkv_bias=True, out_bias=False)
+    mlp = GatedMLP(dim=32, hidden_dim=48)
+    x = torch.randn(2, 5, 32)
+    rope = rope_1d(8, 10000.0)(torch.arange(5).expand(1, 2, 5))
+    want_attn, want_mlp = attn(x, rope=rope), mlp(x)
+    attn.fuse_projections()
+    mlp.fuse_projections()
+    assert attn.qkv_proj.weight.shape == (32 + 2 * 16, 32) and mlp.gate_up_proj.weight.shape == (96, 32)
+    torch.testing.assert_close(attn(x, rope=rope), want_attn, rtol=0, atol=1e-6)
+    torch.testing.assert_close(mlp(x), want_mlp, rtol=0, atol=1e-6)
+
+
 def test_steps_replay_their_compiled_graphs(xla_engine, qwen2_vl_ckpt, image_files, monkeypatch):
     """After warmup every step (encode at each bucket, prefill at each bucket, decode; greedy and
     sampling heads) runs as its compiled graph, never traced again: the tokens equal the traced

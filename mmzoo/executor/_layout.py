@@ -6,12 +6,20 @@ of every weight) inside each step's graph: measured on the serving benchmark's m
 decode step spent about two thirds of its device time on those copies. Holding each linear
 weight as its transpose ``[in, out]`` (with ``weight`` a transposed view of it) removes them.
 The modules are unchanged; only the stored tensor is.
+
+Projections that read the same input are also stacked into one matrix (attention's q/k/v, the
+gated MLP's gate/up: :func:`fuse_projections`). A decode step multiplies one row by each weight,
+and XLA's CPU backend reads one wide matrix faster than several narrow ones: measured on the
+serving benchmark's model, a 512 x 256 key projection read at ~9 GB/s, the 512 x 32000 LM head
+at ~27 GB/s.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.nn.utils import parametrize
+
+from mmzoo.layers import Attention, GatedMLP
 
 
 class _StoredTransposed(nn.Module):
@@ -36,3 +44,12 @@ def hold_linears_transposed(model: nn.Module) -> int:
             parametrize.register_parametrization(module, "weight", _StoredTransposed(), unsafe=True)
             n += 1
     return n
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Stack the q/k/v projections of every attention and gate/up of every gated MLP of ``model``
+    into one linear each (:meth:`Attention.fuse_projections`); returns how many were fused."""
+    fusable = [m for m in model.modules() if isinstance(m, (Attention, GatedMLP))]
+    for m in fusable:
+        m.fuse_projections()
+    return len(fusable)

@@ -60,6 +60,9 @@ class XLAExecutor(Executor):
         progress: progress bars for warmup and generation.
         transpose_weights: hold linear weights as ``[in, out]`` (:mod:`mmzoo.executor._layout`);
             ``"auto"``: on the XLA CPU client without a mesh, where it removes a weight copy per step.
+        fuse_projections: stack attention's q/k/v and the gated MLP's gate/up projections into one
+            linear each (:func:`mmzoo.executor._layout.fuse_projections`); ``"auto"``: on the XLA
+            CPU client without a mesh.
         transpose_keys: hold the KV cache's keys as ``[.., head_dim, len]``, so the decode step's
             ``q @ k^T`` reads them in place (:class:`~mmzoo.lms.KVCache`); ``"auto"``: on the XLA
             CPU client without a mesh, when every LM attention backend is matmul-based (sdpa,
@@ -77,7 +80,8 @@ class XLAExecutor(Executor):
                  max_encoder_rows: int = 16384, decode_kv_buckets: list[int] | None = None,
                  min_decode_kv: int = 128, warmup: bool = True, on_recompile: str = "warn",
                  compile_cache_dir: str | None = None, progress: bool = False, transpose_weights: bool | str = "auto",
-                 transpose_keys: bool | str = "auto", replay_steps: bool | str = "auto"):
+                 fuse_projections: bool | str = "auto", transpose_keys: bool | str = "auto",
+                 replay_steps: bool | str = "auto"):
         super().__init__(max_model_len=max_model_len, max_batch=max_batch, progress=progress)
         if on_recompile not in ("error", "warn", "ignore"):
             raise ValueError(f"on_recompile={on_recompile!r}: choose error, warn or ignore")
@@ -100,6 +104,9 @@ class XLAExecutor(Executor):
         if transpose_weights not in ("auto", True, False):
             raise ValueError(f"transpose_weights={transpose_weights!r}: choose auto, true or false")
         self.transpose_weights = transpose_weights
+        if fuse_projections not in ("auto", True, False):
+            raise ValueError(f"fuse_projections={fuse_projections!r}: choose auto, true or false")
+        self.fuse_projections = fuse_projections
         if transpose_keys not in ("auto", True, False):
             raise ValueError(f"transpose_keys={transpose_keys!r}: choose auto, true or false")
         self.transpose_keys = transpose_keys
@@ -125,24 +132,29 @@ class XLAExecutor(Executor):
         self._xla = torch_xla
 
     def setup(self, model, *, dtype: str = "float32", eos_token_ids=()) -> None:
-        super().setup(model, dtype=dtype, eos_token_ids=eos_token_ids)
-        transpose = self.transpose_weights
-        if transpose == "auto":
-            transpose = os.environ.get("PJRT_DEVICE") == "CPU" and self.sharding is None
+        cpu_alone = os.environ.get("PJRT_DEVICE") == "CPU" and self.sharding is None
+        transpose = cpu_alone if self.transpose_weights == "auto" else self.transpose_weights
+        fuse = cpu_alone if self.fuse_projections == "auto" else self.fuse_projections
         if transpose and self.sharding is not None:
             raise ValueError("transpose_weights=true is not supported with a device mesh (the sharding rules "
                              "name [out, in] weights); use auto or false")
+        if fuse and self.sharding is not None:
+            raise ValueError("fuse_projections=true is not supported with a device mesh (the sharding rules "
+                             "name the separate projections); use auto or false")
         if self.replay_steps is True and self.sharding is not None:
             raise ValueError("replay_steps=true is not supported with a device mesh; use auto or false")
+        from mmzoo.executor import _layout
+
+        if fuse:  # on the host, before the weights are placed (and then held transposed)
+            _layout.fuse_projections(model)
+        super().setup(model, dtype=dtype, eos_token_ids=eos_token_ids)
         self.replaying = self.sharding is None if self.replay_steps == "auto" else bool(self.replay_steps)
         skipping = all(getattr(b, "skips_past_length", False) for b in self._lm_backends(model))
         self.decode_kv_buckets = self._kv_buckets or (
             [self.max_model_len] if skipping else doubling(min(self.min_decode_kv, self.max_model_len),
                                                            self.max_model_len))
         if transpose:
-            from mmzoo.executor._layout import hold_linears_transposed
-
-            hold_linears_transposed(self.model)
+            _layout.hold_linears_transposed(self.model)
             self.step_done()
 
     def hold_keys_transposed(self, model) -> bool:

@@ -49,7 +49,9 @@ class MLP(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` (SwiGLU when ``act="silu"``)."""
+    """``down(act(gate(x)) * up(x))`` (SwiGLU when ``act="silu"``).
+
+    :meth:`fuse_projections` can stack gate and up into one ``gate_up_proj`` after loading."""
 
     def __init__(self, *, dim: int, hidden_dim: int, act: str = "silu", bias: bool = False):
         super().__init__()
@@ -57,6 +59,27 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden_dim, bias=bias)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
         self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
+        self.gate_up_proj = None  # set by fuse_projections()
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Replace ``gate_proj / up_proj`` by one ``gate_up_proj`` (weights stacked, gate first):
+        one matrix product instead of two, the same dot products (see
+        :meth:`mmzoo.layers.Attention.fuse_projections`)."""
+        if self.gate_up_proj is not None:
+            return
+        gate, up = self.gate_proj, self.up_proj
+        w = gate.weight
+        fused = nn.Linear(w.shape[1], 2 * w.shape[0], bias=gate.bias is not None, device=w.device, dtype=w.dtype)
+        fused.weight.copy_(torch.cat([gate.weight, up.weight]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([gate.bias, up.bias]))
+        del self.gate_proj, self.up_proj
+        self.gate_up_proj = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)

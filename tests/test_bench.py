@@ -57,7 +57,7 @@ def test_smoke_recipe_writes_every_figure(tmp_path):
     assert all(r[s] > 0 for r in res["image_sweep"] for s in SYSTEMS)
     assert res["decode_profile"]["graphs_compiled"] == 0 and res["decode_profile"]["step_ms"] > 0
     names = [t["name"] for t in res["targets"]]
-    assert len(names) == 4 and all(t["pass"] in (True, False, None) for t in res["targets"])
+    assert len(names) == 5 and all(t["pass"] in (True, False, None) for t in res["targets"])
     assert res["targets"][-1]["pass"] is True  # 0 graphs compiled after warmup
 
 

@@ -283,13 +283,15 @@ class XLAExecutor(Executor):
     # -- warmup ----------------------------------------------------------------------------
     def warmup(self, dummy_media=None) -> float:
         """Compile every graph: each tower at each bucket, prefill at each bucket, decode at each
-        KV-cache length bucket; greedy and sampling heads. ``dummy_media(tower, rows)`` gives a :class:`TowerInput` of that many rows.
+        KV-cache length bucket; greedy and sampling heads. ``dummy_media(tower, rows)`` gives a
+        :class:`TowerInput` of that many rows.
         Returns the seconds taken; afterwards the compile guard is armed."""
         t0 = time.perf_counter()
         towers = list(self.model.towers) if dummy_media is not None else []
         plan = [("encode", t, r) for t in towers for r in self.tower_buckets(t)]
         plan += [("embeds", None, r) for r in self.default_encoder_buckets]  # precomputed-embeds writes
-        plan += [("prefill", None, s) for s in self.prefill_buckets] + [("decode", None, kv) for kv in self.decode_kv_buckets]
+        plan += [("prefill", None, s) for s in self.prefill_buckets]
+        plan += [("decode", None, kv) for kv in self.decode_kv_buckets]
         steps = plan
         if self.progress:
             from tqdm import tqdm

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmzoo.layers.linear import stack_linears
 from mmzoo.layers.rotary import apply_rotary
 
 
@@ -44,7 +45,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=out_bias)
         self.qkv_proj = None  # set by fuse_projections()
 
-    @torch.no_grad()
     def fuse_projections(self) -> None:
         """Replace ``q_proj / k_proj / v_proj`` by one ``qkv_proj`` holding their weights (and
         biases) stacked in that order: one matrix product instead of three, computing the same
@@ -52,13 +52,7 @@ class Attention(nn.Module):
         three narrow ones); checkpoints load into the separate projections, so fuse after loading."""
         if self.qkv_proj is not None:
             return
-        parts = [self.q_proj, self.k_proj, self.v_proj]
-        w = parts[0].weight
-        fused = nn.Linear(w.shape[1], sum(p.out_features for p in parts), bias=parts[0].bias is not None,
-                          device=w.device, dtype=w.dtype)
-        fused.weight.copy_(torch.cat([p.weight for p in parts]))
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+        fused = stack_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
         self.qkv_proj = fused
 

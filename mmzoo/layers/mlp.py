@@ -6,6 +6,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mmzoo.layers.linear import stack_linears
+
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """``x * sigmoid(1.702 x)``, the GELU approximation of CLIP and Qwen2-VL's ViT."""
@@ -61,19 +63,13 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
         self.gate_up_proj = None  # set by fuse_projections()
 
-    @torch.no_grad()
     def fuse_projections(self) -> None:
         """Replace ``gate_proj / up_proj`` by one ``gate_up_proj`` (weights stacked, gate first):
         one matrix product instead of two, the same dot products (see
         :meth:`mmzoo.layers.Attention.fuse_projections`)."""
         if self.gate_up_proj is not None:
             return
-        gate, up = self.gate_proj, self.up_proj
-        w = gate.weight
-        fused = nn.Linear(w.shape[1], 2 * w.shape[0], bias=gate.bias is not None, device=w.device, dtype=w.dtype)
-        fused.weight.copy_(torch.cat([gate.weight, up.weight]))
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([gate.bias, up.bias]))
+        fused = stack_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
         self.gate_up_proj = fused
 

@@ -13,9 +13,9 @@ Three kinds of device step, each a fixed set of shapes on XLA:
   sample the first token;
 * **decode** (per cache-length bucket): one token for every slot, attending over the first
   ``kv_len`` cache positions (the smallest bucket that holds every active sequence), then
-  sampling. One decode step stays in
-  flight: step N+1 takes its input tokens from step N's device output and is launched before
-  step N's tokens are read back, so the host's per-step work overlaps the device's.
+  sampling. One decode step stays in flight: step N+1 takes its input tokens from step N's
+  device output and is launched before step N's tokens are read back, so the host's per-step
+  work overlaps the device's.
 """
 
 from __future__ import annotations

@@ -101,18 +101,10 @@ class XLAExecutor(Executor):
             self._kv_buckets = None  # resolved in setup(), against the model's attention backends
         self.min_decode_kv = min_decode_kv
         self.decode_kv_buckets: list[int] = []
-        if transpose_weights not in ("auto", True, False):
-            raise ValueError(f"transpose_weights={transpose_weights!r}: choose auto, true or false")
-        self.transpose_weights = transpose_weights
-        if fuse_projections not in ("auto", True, False):
-            raise ValueError(f"fuse_projections={fuse_projections!r}: choose auto, true or false")
-        self.fuse_projections = fuse_projections
-        if transpose_keys not in ("auto", True, False):
-            raise ValueError(f"transpose_keys={transpose_keys!r}: choose auto, true or false")
-        self.transpose_keys = transpose_keys
-        if replay_steps not in ("auto", True, False):
-            raise ValueError(f"replay_steps={replay_steps!r}: choose auto, true or false")
-        self.replay_steps = replay_steps
+        self.transpose_weights = _auto_or_bool("transpose_weights", transpose_weights)
+        self.fuse_projections = _auto_or_bool("fuse_projections", fuse_projections)
+        self.transpose_keys = _auto_or_bool("transpose_keys", transpose_keys)
+        self.replay_steps = _auto_or_bool("replay_steps", replay_steps)
         self.replaying = False  # set by setup(): replay_steps resolved against the mesh
         self._replays: dict = {}  # step key (kind and static shape) -> ReplayedStep
         # the state tensors donated to the last two replayed steps: dropping a donated tensor waits
@@ -132,9 +124,8 @@ class XLAExecutor(Executor):
         self._xla = torch_xla
 
     def setup(self, model, *, dtype: str = "float32", eos_token_ids=()) -> None:
-        cpu_alone = os.environ.get("PJRT_DEVICE") == "CPU" and self.sharding is None
-        transpose = cpu_alone if self.transpose_weights == "auto" else self.transpose_weights
-        fuse = cpu_alone if self.fuse_projections == "auto" else self.fuse_projections
+        transpose = self._cpu_alone() if self.transpose_weights == "auto" else self.transpose_weights
+        fuse = self._cpu_alone() if self.fuse_projections == "auto" else self.fuse_projections
         if transpose and self.sharding is not None:
             raise ValueError("transpose_weights=true is not supported with a device mesh (the sharding rules "
                              "name [out, in] weights); use auto or false")
@@ -163,8 +154,11 @@ class XLAExecutor(Executor):
                              "[slots, heads, len, head_dim] keys); use auto or false")
         if self.transpose_keys != "auto":
             return bool(self.transpose_keys)
-        return (os.environ.get("PJRT_DEVICE") == "CPU" and self.sharding is None
-                and all(getattr(b, "matmul_keys", False) for b in self._lm_backends(model)))
+        return self._cpu_alone() and all(getattr(b, "matmul_keys", False) for b in self._lm_backends(model))
+
+    def _cpu_alone(self) -> bool:
+        """On the XLA CPU client without a device mesh: where the ``auto`` layouts apply."""
+        return os.environ.get("PJRT_DEVICE") == "CPU" and self.sharding is None
 
     @staticmethod
     def _lm_backends(model) -> list:
@@ -320,6 +314,13 @@ class XLAExecutor(Executor):
         self.warmup_s = time.perf_counter() - t0
         self._baseline = self._seen = self.compiled_graphs()
         return self.warmup_s
+
+
+def _auto_or_bool(name: str, value):
+    """``value`` of the option ``name`` if it is ``"auto"``, True or False; else a clear error."""
+    if value not in ("auto", True, False):
+        raise ValueError(f"{name}={value!r}: choose auto, true or false")
+    return value
 
 
 def _init_cache(path: str) -> None:

@@ -226,18 +226,22 @@ class Executor:
         return self._tensor(ids[None]), self._tensor(pos[:, None]), self._tensor(index[None])
 
     @staticmethod
-    def _sampling_arrays(seqs: list[tuple[int, Any]], rows: int) -> list[np.ndarray]:
-        """Per-row sampling parameters and one uniform draw per sampled row (host arrays)."""
-        temp = np.zeros(rows, np.float32)
+    def _sampling_arrays(seqs: list[tuple[int, Any]], rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per-row sampling parameters and one uniform draw per sampled row (host arrays):
+        ``top_k [rows]`` int64 and ``[temperature, top_p, uniform] [3, rows]`` float32."""
         top_k = np.zeros(rows, np.int64)
-        top_p = np.ones(rows, np.float32)
-        u = np.zeros(rows, np.float32)
+        floats = np.zeros((3, rows), np.float32)
+        floats[1] = 1.0  # top_p
         for row, seq in seqs:
             r = seq.prepared.request
-            temp[row], top_k[row], top_p[row] = r.temperature, r.top_k, r.top_p
-            if r.temperature > 0:
-                u[row] = seq.rng.random()
-        return [temp, top_k, top_p, u]
+            top_k[row] = r.top_k
+            floats[:, row] = r.temperature, r.top_p, seq.rng.random() if r.temperature > 0 else 0.0
+        return top_k, floats
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, top_k: torch.Tensor, floats: torch.Tensor) -> torch.Tensor:
+        """:func:`sample` with the parameters of :meth:`_sampling_arrays`."""
+        return sample(logits, floats[0], top_k, floats[1], floats[2])
 
     @staticmethod
     def _greedy_only(seqs) -> bool:
@@ -255,7 +259,7 @@ class Executor:
         def step(ids, pos, index, slot, logits_index, media, *sampling):
             view = self.cache.prefill(slot, torch.arange(s, device=slot.device)[None])
             logits = self.model(ids, pos, mm_embeds=media, mm_index=index, cache=view, logits_index=logits_index)
-            return (sample(logits, *sampling) if sampling else greedy(logits),)
+            return (self._sample(logits, *sampling) if sampling else greedy(logits),)
 
         inputs = [ids, pos, index, self._tensor([seq.slot]), self._tensor([n - 1]), self.media] + sampling
         (token,) = self.run_step(("prefill", s, greedy_only), step, inputs, "cache")
@@ -279,29 +283,33 @@ class Executor:
         can be launched before the host has the tokens of this one."""
         b = self.max_batch
         kv_len = self.decode_kv_len(max(seq.length for seq in active.values()) + 1)
-        tokens, write, rope = np.zeros((b, 1), np.int64), np.zeros((b, 1), np.int64), np.zeros(b, np.int64)
-        use_prev = np.zeros(b, np.bool_)
+        # the per-row inputs in one int64 array, so a greedy step makes one host-to-device transfer
+        # (each costs about as much as a small kernel): [use_prev, token, write position, rope
+        # position, top_k] x slots, plus the sampling floats when any row samples
+        rows = np.zeros((5, b), np.int64)
         for slot, seq in active.items():
-            use_prev[slot] = slot in from_prev
-            tokens[slot, 0] = 0 if use_prev[slot] else seq.last
-            write[slot, 0] = seq.length
-            rope[slot] = seq.length + seq.prepared.position_delta
-        axes = self.model.lm.rotary.num_axes
-        arrays = [use_prev, tokens, np.broadcast_to(rope[None, :, None], (axes, b, 1)), write, np.zeros(b, np.int64)]
+            use_prev = slot in from_prev
+            rows[:4, slot] = (use_prev, 0 if use_prev else seq.last, seq.length,
+                              seq.length + seq.prepared.position_delta)
         seqs = list(active.items())
         greedy_only = self._greedy_only(seqs)
+        floats = []
         if not greedy_only:
-            arrays += self._sampling_arrays(seqs, b)
+            rows[4], f = self._sampling_arrays(seqs, b)
+            floats = [f]
+        axes = self.model.lm.rotary.num_axes
 
-        def step(prev, use_prev, tokens, rope, write, logits_index, *sampling):
-            tokens = torch.where(use_prev[:, None], prev[:, None], tokens)
+        def step(prev, rows, *floats):
+            tokens = torch.where(rows[0] != 0, prev, rows[1])[:, None]  # [b, 1]
+            write = rows[2][:, None]  # [b, 1]
+            rope = rows[3][None, :, None].expand(axes, b, 1)  # [axes, b, 1]
             logits = self.model(tokens, rope, cache=self.cache.decode(write, kv_len),
-                                attn_kwargs={"q_positions": write}, logits_index=logits_index)
-            return (sample(logits, *sampling) if sampling else greedy(logits),)
+                                attn_kwargs={"q_positions": write}, logits_index=torch.zeros_like(rows[0]))
+            return (self._sample(logits, rows[4], *floats) if floats else greedy(logits),)
 
         if prev is None:
             prev = self._tensor(np.zeros(b, np.int64))
-        inputs = [prev] + [self._tensor(a) for a in arrays]
+        inputs = [prev, self._tensor(rows)] + [self._tensor(f) for f in floats]
         (token_ids,) = self.run_step(("decode", greedy_only, kv_len), step, inputs, "cache")
         return token_ids
 

@@ -50,6 +50,18 @@ def test_smoke_recipe_writes_every_figure(tmp_path):
     for name in SYSTEMS:
         assert 0 < roof[name]["fraction"]
         assert roof[name]["weights_read_GBps"] == pytest.approx(roof["weight_bytes"] / roof[name]["step_ms"] / 1e6)
+    paired = roof["paired"]  # the batch-1 point in rounds, side by side with the bandwidth around it
+    assert len(paired["rounds"]) == res["config"]["sweep"]["batch1_rounds"] == 2
+    for r in paired["rounds"]:
+        assert len(r["copy_bandwidth_GBps"]) == 2 and min(r["copy_bandwidth_GBps"]) > 0
+        assert r["fraction"] == pytest.approx(r["min_step_ms"] / r["mmzoo-xla"]["median_tpot_ms"])
+        assert set(SYSTEMS) <= set(r) and all(r[s]["requests"] == res["config"]["sweep"]["min_requests"] for s in SYSTEMS)
+    assert paired["fraction_range"][0] <= paired["fraction_median"] <= paired["fraction_range"][1]
+    assert roof["copy_bandwidth_GBps"] >= max(x for r in paired["rounds"] for x in r["copy_bandwidth_GBps"])
+    assert res["targets"][0]["value"] == paired["fraction_median"]
+    assert res["targets"][1]["value"] == paired["decode_tok_s_vs_transformers_median"]
+    b1 = {r["system"]: r for r in res["batch_sweep"] if r["batch"] == 1}  # every round's requests together
+    assert all(b1[s]["requests"] == 2 * res["config"]["sweep"]["min_requests"] for s in SYSTEMS)
     assert {(r["system"], r["batch"]) for r in res["batch_sweep"]} == {
         (s, b) for b in res["config"]["sweep"]["batch_sizes"] for s in res["config"]["sweep"]["systems"]
     } | {("transformers", 1)}

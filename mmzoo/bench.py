@@ -543,7 +543,7 @@ def run(cfg: DictConfig) -> dict:
             else:
                 over = OmegaConf.to_container(cfg.sweep.xla_overrides, resolve=True) if kind == "xla" else {}
                 engine, _ = build_engine(cfg, checkpoint, kind, max_batch=b, **over)
-            run_mmzoo(engine, system, [dict(sreqs[0], max_new_tokens=2)])  # priming: compiles lazily, untimed
+            run_mmzoo(engine, system, [dict(r, max_new_tokens=2) for r in sreqs])  # priming: compiles lazily, untimed
             if b != 1:  # one engine at a time
                 say(f"sweep {system} batch {b}: {n} requests")
                 sweep_rows.append(_sweep_row(system, b, run_mmzoo(engine, system, sreqs)))

@@ -10,10 +10,11 @@ One process runs the same seeded workload (mixed prompt lengths, 0 to 3 images o
 a fixed number of output tokens with EOS ignored) through mmzoo's XLA executor (after its warmup),
 mmzoo's eager executor and transformers' ``generate()`` (one request at a time, greedy), and
 prints vLLM-style serving figures per system. All requests arrive at t=0 (vLLM's
-``--request-rate inf``), so TTFT includes queueing. Then: XLA warmup cold and warm, a decode
-roofline (weight bytes read per step over a measured copy bandwidth), a sweep over the decode
-batch and over the image size, and the issue's targets as pass/fail lines. Figures only: this
-is not a test, and the targets are printed, not asserted.
+``--request-rate inf``), so TTFT includes queueing. Then: XLA warmup cold and warm, a sweep over
+the image size and over the decode batch (its batch-1 point in rounds, every system in turn, the
+copy bandwidth measured around each mmzoo-xla run), a decode roofline (weight bytes read per step
+over that bandwidth), and the issue's targets as pass/fail lines, each from figures taken side
+by side. Figures only: this is not a test, and the targets are printed, not asserted.
 """
 
 from __future__ import annotations

@@ -132,6 +132,14 @@ def test_guard_raises_on_a_new_shape(qwen2_vl_ckpt):
     engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=1, on_recompile="error",
                         max_model_len=64, min_prefill=64, encoder_buckets={"vision": [64]}, progress=False)
     engine.generate("hello", max_new_tokens=2)  # warmed-up shapes: fine
+    # torch_xla's compile counter is process-wide: another engine warming up in this process
+    # compiles graphs, which are not this engine's and must not trip its guard
+    before = engine.executor.compiled_graphs()
+    other = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=1, on_recompile="error",
+                       max_model_len=32, min_prefill=32, encoder_buckets={"vision": [64]}, progress=False)
+    assert other.executor.compiled_graphs() > before
+    assert engine.generate("hello", max_new_tokens=2).graphs_compiled_after_warmup == 0
+    assert other.generate("hi", max_new_tokens=2).graphs_compiled_after_warmup == 0
     too_big = make_image(140, 112, seed=0)  # 80 patches in one image: no vision bucket holds it
     (bad, ok) = engine.generate([{"prompt": "x", "images": [too_big]}, {"prompt": "hi", "max_new_tokens": 2}])
     assert "vision encoder input rows is 80, more than the largest bucket 64" in bad.error and ok.error is None

@@ -109,6 +109,9 @@ class Executor:
         """Rows of the media buffer: every placeholder of the longest prompt, plus padding room."""
         return self.max_model_len
 
+    def step_begin(self) -> None:
+        """Called before each device step (the XLA executor counts compiles per step from here)."""
+
     def step_done(self) -> None:
         """Called after each device step (XLA cuts and runs the graph here)."""
 
@@ -155,6 +158,7 @@ class Executor:
         """Run the device step ``fn(*inputs) -> outputs``, which updates the executor's ``state``
         ("cache": the KV cache, "media": the media buffer) in place. ``key`` names the step's
         static shape; the XLA executor replays the compiled graph of each key after its first call."""
+        self.step_begin()
         return list(fn(*inputs))
 
     @torch.no_grad()
@@ -269,6 +273,7 @@ class Executor:
     def prompt_logits(self, prepared: Prepared) -> np.ndarray:
         """``[s, vocab]`` float32 logits at every prompt position (no cache; for scoring and tests)."""
         ids, pos, index = self._prompt_arrays(prepared)
+        self.step_begin()
         logits = self.model(ids, pos, mm_embeds=self.media, mm_index=index)
         self.step_done()
         return logits[0].cpu().numpy()[: len(prepared.input_ids)]

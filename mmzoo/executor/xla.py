@@ -113,8 +113,8 @@ class XLAExecutor(Executor):
         self._replayed = False  # the last step was replayed: nothing is left to sync
         self.do_warmup, self.on_recompile = warmup, on_recompile
         self.warmup_s: float | None = None
-        self._baseline: int | None = None
-        self._seen = 0
+        self._after: int | None = None  # graphs this executor's steps compiled after warmup
+        self._seen = 0  # the process-wide compile count when the current step began
         ensure_pjrt_device()
         if compile_cache_dir and os.environ["PJRT_DEVICE"] != "CPU":
             # PJRT's CPU client cannot deserialize executables, so the cache only helps on TPU/GPU.
@@ -180,6 +180,7 @@ class XLAExecutor(Executor):
     def run_step(self, key, fn, inputs, state):
         if not self.replaying:
             return super().run_step(key, fn, inputs, state)
+        self.step_begin()
         step = self._replays.get(key)
         if step is None:  # the first call at this shape (warmup): trace and compile it
             from mmzoo.executor._replay import ReplayedStep
@@ -230,18 +231,26 @@ class XLAExecutor(Executor):
         return int(data[0]) if data else 0
 
     def graphs_since_warmup(self) -> int | None:
-        return None if self._baseline is None else self.compiled_graphs() - self._baseline
+        """Graphs this executor's own steps compiled after its warmup (None before it). torch_xla's
+        counter is process-wide, so compiles between this executor's steps (another engine's
+        warmup, say) are not counted."""
+        return self._after
+
+    def step_begin(self) -> None:
+        if self._after is not None:
+            self._seen = self.compiled_graphs()
 
     def step_done(self) -> None:
         if not self._replayed:  # a replayed step is already running: a sync would only wait for it
             self._xla.sync()
         self._replayed = False
-        if self._baseline is None:
+        if self._after is None:
             return
         count = self.compiled_graphs()
         if count > self._seen:
             new, self._seen = count - self._seen, count
-            msg = (f"mmzoo: {new} XLA graph(s) compiled after warmup ({count - self._baseline} in all): "
+            self._after += new
+            msg = (f"mmzoo: {new} XLA graph(s) compiled after warmup ({self._after} in all): "
                    f"a shape outside the warmed-up buckets")
             if self.on_recompile == "error":
                 raise RecompileError(msg)
@@ -312,7 +321,7 @@ class XLAExecutor(Executor):
                 self.step_done()
                 out.cpu()
         self.warmup_s = time.perf_counter() - t0
-        self._baseline = self._seen = self.compiled_graphs()
+        self._seen, self._after = self.compiled_graphs(), 0
         return self.warmup_s
 
 

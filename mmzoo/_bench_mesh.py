@@ -45,7 +45,7 @@ def sweep(cfg, checkpoint: Path, text, say) -> list[dict]:
     for tp in [int(t) for t in cfg.sweep.tp]:
         say(f"tp sweep: tp={tp}, batch {xla['max_batch']}, {len(requests)} requests (a process of its own)")
         point = {"checkpoint": str(checkpoint), "tp": tp, "executor": xla, "dtype": cfg.dtype,
-                 "requests": requests, "model": OmegaConf.to_container(cfg.model, resolve=True),
+                 "requests": requests, "model": str(cfg.model),
                  "attention": OmegaConf.to_container(cfg.attention, resolve=True)}
         env = dict(os.environ)
         if env.get("PJRT_DEVICE", "CPU") == "CPU":
@@ -86,7 +86,7 @@ def _point(spec_path: str, out_path: str) -> None:
     point = json.loads(Path(spec_path).read_text())
     tp = point["tp"]
     exe = XLAExecutor(**{k: v for k, v in point["executor"].items() if k != "_target_"})
-    engine = mmzoo.load(point["checkpoint"], model=instantiate(point["model"]), executor=exe,
+    engine = mmzoo.load(point["checkpoint"], model=point["model"], executor=exe,
                         attention=instantiate(point["attention"]), dtype=point["dtype"], towers=False,
                         mesh={"model": tp} if tp > 1 else None)
     reqs = point["requests"]

@@ -26,18 +26,17 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import hydra
 import numpy as np
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from mmzoo.errors import MmzooError
-from mmzoo.infer import cli
+from mmzoo.cli import hydra_main
+from mmzoo.files import write_json
 
 SYSTEMS = ("mmzoo-xla", "mmzoo-eager", "transformers")
 _CKPT_VERSION = 1  # bump when make_tiny_qwen2_vl's output changes, to rebuild cached benchmark checkpoints
@@ -53,8 +52,8 @@ def say(msg: str) -> None:
 
 def bench_checkpoint(cfg: DictConfig) -> Path:
     """``checkpoint.path``, or a random Qwen2-VL checkpoint built from ``checkpoint.random`` (cached)."""
-    from mmzoo._paths import cache_dir
-    from mmzoo.testing import make_tiny_qwen2_vl
+    from mmzoo.paths import cache_dir
+    from mmzoo.fixtures import make_tiny_qwen2_vl
 
     if cfg.checkpoint.path is not None:
         path = Path(cfg.checkpoint.path)
@@ -81,7 +80,7 @@ class _PromptText:
     """Prompts of a given number of text tokens, cut from the tokenizer's own synthetic corpus."""
 
     def __init__(self, tokenizer, seed: int):
-        from mmzoo.testing import synthetic_corpus
+        from mmzoo.fixtures import synthetic_corpus
 
         self.tokenizer = tokenizer
         self.pool = tokenizer(" ".join(synthetic_corpus(seed)))["input_ids"]
@@ -95,7 +94,7 @@ class _PromptText:
 
 def make_workload(wl: DictConfig, text: _PromptText) -> list[dict]:
     """``num_requests`` request dicts from ``wl.seed``: prompt lengths, image counts and sizes drawn per request."""
-    from mmzoo.testing import make_image
+    from mmzoo.fixtures import make_image
 
     rng = np.random.default_rng(int(wl.seed))
     lo, hi = (int(x) for x in wl.prompt_len)
@@ -163,7 +162,7 @@ def run_mmzoo(engine, system: str, reqs: list[dict]) -> Run:
     its own start, so they are shifted by the preparation time: every time counts from the run's
     start, as transformers' do (which prepares each request just before it runs).
     """
-    from mmzoo.models._types import Request
+    from mmzoo.types import Request
 
     exe = engine.executor
     count = getattr(exe, "compiled_graphs", None)
@@ -243,7 +242,7 @@ def build_engine(cfg: DictConfig, checkpoint: Path, kind: str, **overrides):
 
     exe = instantiate(OmegaConf.merge(cfg.executors[kind], overrides))
     t0 = time.perf_counter()
-    engine = mmzoo.load(checkpoint, model=instantiate(cfg.model), executor=exe,
+    engine = mmzoo.load(checkpoint, model=str(cfg.model), executor=exe,
                         attention=instantiate(cfg.attention), dtype=cfg.dtype)
     return engine, time.perf_counter() - t0
 
@@ -307,7 +306,7 @@ def decode_breakdown(engine, steps: int) -> dict:
     import torch_xla.debug.metrics as met
 
     from mmzoo.executor._loop import _Seq  # the executor's sequence record, as its warmup uses it
-    from mmzoo.models._types import Request
+    from mmzoo.types import Request
 
     exe = engine.executor
     prepared = engine.prepare(Request(prompt="profile", max_new_tokens=steps + 1, ignore_eos=True))
@@ -385,20 +384,6 @@ def print_table(title: str, metrics: dict[str, dict], extra: list[tuple[str, dic
 def _check(system: str, where: str) -> None:
     if system not in SYSTEMS:
         raise MmzooError(f"{where}: unknown system {system!r}; choose from {list(SYSTEMS)}")
-
-
-def write_json(path: str | Path, obj) -> None:
-    """The result to a temp file beside ``path``, then renamed: never a partial file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -496,7 +481,7 @@ def run(cfg: DictConfig) -> dict:
 
     # -- image-size sweep (TTFT), on the engines of the main run ----------------------------------
     image_rows = []
-    from mmzoo.testing import make_image
+    from mmzoo.fixtures import make_image
 
     for w, h in (tuple(int(v) for v in s) for s in cfg.sweep.image_sizes):
         rng = np.random.default_rng(int(cfg.workload.seed) + w * 7 + h)
@@ -777,9 +762,7 @@ def _targets(t: DictConfig, roof: dict, sweep_rows: list[dict], metrics: dict) -
     return out
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="bench")
-def main(cfg: DictConfig) -> None:
-    cli(run, cfg)
+main = hydra_main(run, "bench")
 
 
 if __name__ == "__main__":

@@ -15,41 +15,35 @@ from __future__ import annotations
 import sys
 import time
 
-import hydra
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from mmzoo import _embeds_file
+from mmzoo import embeds_file
+from mmzoo.cli import hydra_main
 from mmzoo.errors import MmzooError
-from mmzoo.infer import cli
 
 
 def run(cfg: DictConfig) -> dict:
-    from mmzoo.engine import load
+    from mmzoo.engine import build
 
     images, videos = list(cfg.images or []), OmegaConf.to_container(cfg.videos) or []
     audios = [str(a) for a in OmegaConf.to_container(cfg.audios) or []]
     if not images and not videos and not audios:
         raise MmzooError("nothing to encode: give images=[...], videos=[...] and/or audios=[...]")
-    family, attention, executor = instantiate(cfg.model), instantiate(cfg.attention), instantiate(cfg.executor)
-    print(f"mmzoo: encode model={family.name} attention={attention.name} executor={executor.describe()} "
-          f"dtype={cfg.dtype}", file=sys.stderr)
-    engine = load(cfg.checkpoint, model=family, executor=executor, attention=attention, dtype=cfg.dtype, verbose=True)
+    print("mmzoo: encode", file=sys.stderr)
+    engine = build(cfg, verbose=True)
     t0 = time.perf_counter()
     tensors = engine.encode(images=[str(i) for i in images], videos=videos, audios=audios)
     secs = time.perf_counter() - t0
     meta = {**engine.embeds_metadata(), "images": str([str(i) for i in images]), "audios": str(audios),
             "encode_s": f"{secs:.4f}"}
-    _embeds_file.write(cfg.output, tensors, meta)
+    embeds_file.write(cfg.output, tensors, meta)
     shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items())
     print(f"mmzoo: encoded {len(images)} images, {len(videos)} videos, {len(audios)} audios in {secs:.3f} s -> {cfg.output} ({shapes})",
           file=sys.stderr)
     return {"tensors": tensors, "encode_s": secs}
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="encode")
-def main(cfg: DictConfig) -> None:
-    cli(run, cfg)
+main = hydra_main(run, "encode")
 
 
 if __name__ == "__main__":

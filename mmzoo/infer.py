@@ -10,19 +10,17 @@ Examples::
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from dataclasses import fields
 from pathlib import Path
 
-import hydra
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from mmzoo._paths import ASSETS
+from mmzoo.cli import hydra_main
 from mmzoo.errors import MmzooError
-from mmzoo.models._types import Request
+from mmzoo.files import write_jsonl
+from mmzoo.paths import ASSETS
+from mmzoo.types import Request
 
 _REQUEST_FIELDS = {f.name for f in fields(Request)}
 
@@ -52,20 +50,11 @@ def read_requests(path: str | Path, defaults: dict) -> list[Request | MmzooError
     return out
 
 
-def write_jsonl(path: str | Path, rows: list[dict]) -> None:
-    """Write all rows to a temp file beside ``path``, then rename: never a partial file."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise MmzooError(f"output directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _modalities(cfg: DictConfig) -> tuple[str, ...]:
+    """The media kinds the configured family takes (its class's ``modalities``)."""
+    from hydra.utils import get_class
+
+    return getattr(get_class(cfg.model.family._target_), "modalities", ())
 
 
 def _paths_of(items: list) -> list:
@@ -76,20 +65,15 @@ def _paths_of(items: list) -> list:
 
 def run(cfg: DictConfig) -> list[dict]:
     """Build the pipeline from ``cfg``, run the requests, print and write the results."""
-    from mmzoo.engine import load
+    from mmzoo.engine import build
 
-    family = instantiate(cfg.model)
-    attention = instantiate(cfg.attention)
-    executor = instantiate(cfg.executor)
-    desc = executor.describe() if hasattr(executor, "describe") else executor.name
-    print(f"mmzoo: model={family.name} attention={attention.name} executor={desc} dtype={cfg.dtype}",
-          file=sys.stderr)
     if cfg.output is not None and not Path(cfg.output).parent.is_dir():
         raise MmzooError(f"output directory {Path(cfg.output).parent} does not exist")
     images = cfg.images
     if images is None:
-        embedded_demo = (cfg.checkpoint is None and cfg.embeds is None and cfg.requests is None
-                         and "vision" in getattr(family, "towers", ("vision",)))  # audio-only models: no sample image
+        default = OmegaConf.select(cfg, "model.default_checkpoint")
+        embedded_demo = (default is not None and cfg.checkpoint == default and cfg.embeds is None
+                         and cfg.requests is None and "image" in _modalities(cfg))
         images = [str(ASSETS / "sample.png")] if embedded_demo else []
         if images:
             print(f"mmzoo: no images given; using the bundled sample image {images[0]}", file=sys.stderr)
@@ -104,10 +88,8 @@ def run(cfg: DictConfig) -> list[dict]:
                             audios=[str(a) for a in OmegaConf.to_container(cfg.audios) or []],
                             embeds=cfg.embeds, id=0, **defaults)]
     # towers are built only when some request has raw media: embeds-only and text-only runs skip them
-    towers = any(isinstance(r, Request) and (r.images or r.videos or getattr(r, "audios", None)) for r in requests)
-    engine = load(cfg.checkpoint, model=family, executor=executor, attention=attention, dtype=cfg.dtype,
-                  towers=towers, allow_fingerprint_mismatch=bool(cfg.allow_fingerprint_mismatch), verbose=True,
-                  mesh=cfg.get("mesh"))
+    towers = any(isinstance(r, Request) and (r.images or r.videos or r.audios) for r in requests)
+    engine = build(cfg, towers=towers, verbose=True)
     if not towers:
         print("mmzoo: no raw media in the requests; the encoder towers are not loaded", file=sys.stderr)
     print(f"mmzoo: checkpoint {engine.checkpoint}", file=sys.stderr)
@@ -144,20 +126,7 @@ def run(cfg: DictConfig) -> list[dict]:
     return out
 
 
-def cli(fn, cfg: DictConfig) -> None:
-    """Run ``fn(cfg)``; bad input is one ``error:`` line and exit status 1 (``debug=true``: traceback)."""
-    try:
-        fn(cfg)
-    except MmzooError as e:
-        if cfg.get("debug"):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-
-
-@hydra.main(version_base=None, config_path="../conf", config_name="infer")
-def main(cfg: DictConfig) -> None:
-    cli(run, cfg)
+main = hydra_main(run, "infer")
 
 
 if __name__ == "__main__":

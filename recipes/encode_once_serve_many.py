@@ -13,23 +13,21 @@ import tempfile
 import time
 from pathlib import Path
 
-import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 import mmzoo
-from mmzoo import _embeds_file, _registry
-from mmzoo._paths import ASSETS, cache_dir
-from mmzoo.infer import cli, write_jsonl
-
-os.environ.setdefault("MMZOO_CONF", str(_registry.CONF_DIR))
+from mmzoo import embeds_file
+from mmzoo.cli import hydra_main
+from mmzoo.files import write_jsonl
+from mmzoo.paths import ASSETS, cache_dir
 
 
 def demo_checkpoints() -> list[Path]:
     """Two random LMs with one shared (random) vision tower, built once in the cache."""
     from safetensors.torch import load_file, save_file
 
-    from mmzoo.testing import make_tiny_qwen2_vl
+    from mmzoo.fixtures import make_tiny_qwen2_vl
 
     root = cache_dir() / "serve_many_demo"
     paths = [root / "lm_a", root / "lm_b"]
@@ -47,14 +45,14 @@ def run(cfg: DictConfig) -> list[dict]:
     checkpoints = [Path(c) for c in cfg.checkpoints] if cfg.checkpoints else demo_checkpoints()
     images = [str(i) for i in cfg.images] if cfg.images else [str(ASSETS / "sample.png")]
     enc_ckpt = cfg.encoder_checkpoint or checkpoints[0]
-    kw = dict(model=instantiate(cfg.model), attention=instantiate(cfg.attention), dtype=cfg.dtype)
+    kw = dict(model=str(cfg.model), attention=instantiate(cfg.attention), dtype=cfg.dtype)
 
     encoder = mmzoo.load(enc_ckpt, executor="eager", **kw)
     t0 = time.perf_counter()
     tensors = encoder.encode(images=images)
     encode_s = time.perf_counter() - t0
     path = cfg.embeds_file or os.path.join(tempfile.mkdtemp(prefix="mmzoo-"), "embeds.safetensors")
-    _embeds_file.write(path, tensors, {**encoder.embeds_metadata(), "images": str(images)})
+    embeds_file.write(path, tensors, {**encoder.embeds_metadata(), "images": str(images)})
     print(f"encode: {len(images)} images once in {encode_s:.3f} s -> {path}")
 
     rows = []
@@ -78,9 +76,7 @@ def run(cfg: DictConfig) -> list[dict]:
     return rows
 
 
-@hydra.main(version_base=None, config_path=".", config_name="encode_once_serve_many")
-def main(cfg: DictConfig) -> None:
-    cli(run, cfg)
+main = hydra_main(run, "encode_once_serve_many", config_dir=Path(__file__).resolve().parent)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 transformers' own ``Qwen2VLForConditionalGeneration`` (so the checkpoint is a plain Hugging Face
 one, and the math is the one mmzoo matches) is trained from scratch with a plain torch loop on
-endless streams of :mod:`mmzoo.shapes` scenes of one to three shapes, in two phases:
+endless streams of :mod:`mmzoo.demo.shapes` scenes of one to three shapes, in two phases:
 
 1. **Vision** (:func:`pretrain_vision`): the vision tower alone, with a training-only linear head
    (:class:`VisionProbe`, not saved) that reads each merged image token and names the kind and
@@ -25,7 +25,7 @@ Validation asks one question per image, as inference does. What mattered, measur
 * an init std of 0.1 rather than transformers' 0.02 (at 0.02 the attention logits start so flat
   that the LM takes over a thousand steps to start looking at the image at all).
 
-The tokenizer, chat template and processor are those of :mod:`mmzoo.testing`. Everything is
+The tokenizer, chat template and processor are those of :mod:`mmzoo.fixtures`. Everything is
 seeded: the same config gives the same data streams and initial weights.
 
 Run (about 16 minutes on 2 CPU cores; writes mmzoo/assets/qwen2_vl_shapes)::
@@ -49,9 +49,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mmzoo import shapes
-from mmzoo._paths import ASSETS
-from mmzoo.testing import generation_config, qwen2_vl_config, save_processor, synthetic_corpus, train_tokenizer
+from mmzoo.demo import shapes
+from mmzoo.paths import ASSETS
+from mmzoo.fixtures import generation_config, qwen2_vl_config, save_processor, synthetic_corpus, train_tokenizer
 
 DEFAULT_OUTPUT = ASSETS / "qwen2_vl_shapes"
 
@@ -194,7 +194,7 @@ def pretrain_vision(model, processor, aux: "VisionProbe", cfg: DictConfig, strea
 class VisionProbe:
     """An auxiliary training loss on the vision tower's output (the merged image tokens the LM
     reads): a linear head, used only in training and not saved, predicts from each token the kind
-    and the color of the shape in its cell of the image (:func:`mmzoo.shapes.cell_targets`).
+    and the color of the shape in its cell of the image (:func:`mmzoo.demo.shapes.cell_targets`).
 
     Through the LM alone the vision tower gets a weak, late signal (the LM must first learn where to
     look); this dense one makes every image token say what it shows from the first step on.
@@ -234,7 +234,7 @@ def train(cfg: DictConfig) -> Path:
     t_start = time.perf_counter()
     torch.set_num_threads(int(cfg.threads))
     out = Path(cfg.output) if cfg.output else DEFAULT_OUTPUT
-    # mmzoo.testing's tokenizer, with this data's words added so that each answer is one token
+    # mmzoo.fixtures tokenizer, with this data's words added so that each answer is one token
     tokenizer = train_tokenizer(int(cfg.tokenizer_vocab_size), corpus=synthetic_corpus() + shapes.tokenizer_corpus())
     config = qwen2_vl_config(tokenizer, **OmegaConf.to_container(cfg.model))
     tmp = out.with_name(out.name + ".tmp")

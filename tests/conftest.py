@@ -8,7 +8,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")  # before anything imports torch_xla
 
 import pytest  # noqa: E402
 
-from mmzoo.testing import make_image, make_tiny_qwen2_vl  # noqa: E402
+from mmzoo.fixtures import make_image, make_tiny_qwen2_vl  # noqa: E402
 
 
 @pytest.fixture(scope="session")

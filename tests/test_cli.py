@@ -31,7 +31,7 @@ def test_cli_contract_xla(qwen2_vl_ckpt, image_files, tmp_path):
               f"images=[{image_files[0]},{image_files[1]}]", "max_new_tokens=16", "executor=xla",
               "attention=sdpa", f"output={out}", *SMALL_XLA, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
-    assert "attention=sdpa" in p.stderr and "executor=xla" in p.stderr
+    assert "encoder=qwen2_vl_vit(sdpa)" in p.stderr and "lm=qwen2(sdpa)" in p.stderr and "executor=xla" in p.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 1
     row = rows[0]

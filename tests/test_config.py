@@ -7,11 +7,11 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 from hydra.utils import instantiate
 
-from mmzoo import _registry
+from mmzoo import config
 from mmzoo.backends import AttentionBackend
 from mmzoo.executor import Executor, MeshSpec
 
-CONF = str(_registry.CONF_DIR)
+CONF = str(config.CONF_DIR)
 GROUPS = ["model", "attention", "executor", "mesh"]
 
 
@@ -20,7 +20,7 @@ def compose_infer(*overrides: str):
         return compose(config_name="infer", overrides=list(overrides))
 
 
-@pytest.mark.parametrize("group,name", [(g, n) for g in GROUPS for n in _registry.options(g)])
+@pytest.mark.parametrize("group,name", [(g, n) for g in GROUPS for n in config.options(g)])
 def test_every_option_composes_and_builds(group, name):
     cfg = compose_infer(f"{group}={name}")
     obj = instantiate(cfg[group])
@@ -35,9 +35,9 @@ def test_every_option_composes_and_builds(group, name):
 
 
 def test_groups_have_the_expected_options():
-    assert {"sdpa", "eager", "pallas"} <= set(_registry.options("attention"))
-    assert {"eager", "xla"} <= set(_registry.options("executor"))
-    assert "qwen2_vl" in _registry.options("model")
+    assert {"sdpa", "eager", "pallas"} <= set(config.options("attention"))
+    assert {"eager", "xla"} <= set(config.options("executor"))
+    assert "qwen2_vl" in config.options("model")
 
 
 def test_unknown_attention_lists_the_options():

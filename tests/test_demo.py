@@ -17,9 +17,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import mmzoo
-from mmzoo import _registry, shapes
-from mmzoo._paths import ASSETS
-from mmzoo.models.qwen2_vl import Qwen2VL
+from mmzoo import config
+from mmzoo.demo import shapes
+from mmzoo.paths import ASSETS
 
 PER_CATEGORY = 100
 MIN_ACCURACY = {"shape": 0.95, "color": 0.95, "count": 0.90}
@@ -52,7 +52,7 @@ def transformers_answers(held_out) -> dict[int, str]:
     """transformers' greedy answers to every 8th held-out question, on the same checkpoint."""
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
-    ckpt = str(Qwen2VL().default_checkpoint())
+    ckpt = str(ASSETS / "qwen2_vl_shapes")
     processor = AutoProcessor.from_pretrained(ckpt)
     model = Qwen2VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
     out = {}
@@ -69,7 +69,7 @@ def transformers_answers(held_out) -> dict[int, str]:
 
 
 def test_default_checkpoint_is_the_trained_demo():
-    path = Qwen2VL().default_checkpoint()
+    path = Path(mmzoo.compose(["model=qwen2_vl"]).checkpoint)
     assert path == ASSETS / "qwen2_vl_shapes"
     size = sum(f.stat().st_size for f in path.iterdir())
     assert size < 20e6, f"the embedded checkpoint is {size / 1e6:.1f} MB"
@@ -111,7 +111,7 @@ def test_default_cli_run_answers_on_the_sample_image(capsys):
     shape word: the sample is a green triangle."""
     from mmzoo.infer import run
 
-    with initialize_config_dir(config_dir=str(_registry.CONF_DIR), version_base=None):
+    with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base=None):
         cfg = compose(config_name="infer", overrides=["model=qwen2_vl", "executor=eager"])
     (row,) = run(cfg)
     assert row["text"] == "triangle" and row["images"] == [str(ASSETS / "sample.png")]
@@ -170,7 +170,7 @@ def test_training_conversations_label_only_the_answers(tmp_path):
     """recipes/train_demo.py's training rows: every answer (and its <|im_end|>) labelled, nothing else."""
     import importlib.util
 
-    from mmzoo.testing import qwen2_vl_config, save_processor, train_tokenizer
+    from mmzoo.fixtures import qwen2_vl_config, save_processor, train_tokenizer
 
     spec = importlib.util.spec_from_file_location(
         "train_demo", Path(__file__).resolve().parent.parent / "recipes" / "train_demo.py")

@@ -7,7 +7,7 @@ import torch
 
 import mmzoo
 from mmzoo.executor.xla import RecompileError
-from mmzoo.testing import make_image
+from mmzoo.fixtures import make_image
 
 SMALL = dict(max_model_len=128, min_prefill=32, min_decode_kv=32, encoder_buckets={"vision": [64, 256]},
              progress=False)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import mmzoo
 from mmzoo.errors import MmzooError
-from mmzoo.testing import make_image, make_tiny_qwen2_vl
+from mmzoo.fixtures import make_image, make_tiny_qwen2_vl
 
 GEN = {"max_new_tokens": 10, "ignore_eos": True}
 
@@ -157,7 +157,7 @@ def _run(module: str, *overrides: str):
 
     from hydra import compose, initialize_config_dir
 
-    from mmzoo._registry import CONF_DIR
+    from mmzoo.config import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name=module, overrides=list(overrides))

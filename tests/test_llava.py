@@ -20,16 +20,16 @@ import torch
 from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
 
 import mmzoo
-from mmzoo import _registry
+from mmzoo import config
 from mmzoo.errors import MmzooError
 from mmzoo.models import Llava
 from mmzoo.models._media import load_images
-from mmzoo.testing_zoo import make_tiny_llava
+from mmzoo.fixtures import make_tiny_llava
 
 PROMPT = "What shape is this?"
 COUNTS = {"eager": [0, 1, 3], "xla": [3]}
 EXECUTORS = ["eager", "xla"]
-BACKENDS = _registry.options("attention")
+BACKENDS = config.options("attention")
 # graphs compile on first use here; warmup with the family's buckets is tested in test_qwen2_audio.py
 XLA = {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2}
 GEN = {"max_new_tokens": 16, "ignore_eos": True}
@@ -106,11 +106,11 @@ def test_feature_layer_list_and_full_strategy(tmp_path, image_files):
     np.testing.assert_allclose(engine.executor.prompt_logits(prepared), ref["logits"], atol=1e-4, rtol=0)
 
 
-def test_family_sizes_its_xla_buckets(ckpt):
-    config = AutoConfig.from_pretrained(ckpt)
-    assert Llava.tokens_per_image(config) == 16
-    assert Llava().encoder_buckets(config, max_model_len=256, max_media_rows=320) == {"vision": [1, 2, 4, 8, 16]}
-    assert Llava().encoder_buckets(config, max_model_len=1024, max_media_rows=80) == {"vision": [1, 2, 4, 5]}
+def test_family_sizes_its_xla_buckets(ckpt, eager):
+    family = eager.family
+    assert isinstance(family, Llava) and family.tokens_per_image == 16
+    assert family.encoder_buckets(max_model_len=256, max_media_rows=320) == [1, 2, 4, 8, 16]
+    assert family.encoder_buckets(max_model_len=1024, max_media_rows=80) == [1, 2, 4, 5]
     engine = mmzoo.load(ckpt, executor="xla", max_model_len=64, progress=False, warmup=False,
                         encoder_buckets={"vision": [2]})
     assert engine.executor.encoder_buckets["vision"] == [2]  # the executor's config wins

@@ -21,15 +21,15 @@ import torch
 from transformers import AutoConfig, AutoProcessor, Qwen2AudioForConditionalGeneration
 
 import mmzoo
-from mmzoo import _registry
+from mmzoo import config
 from mmzoo.errors import MmzooError
 from mmzoo.models import Qwen2Audio
-from mmzoo.testing_zoo import make_audio, make_tiny_qwen2_audio, write_wav
+from mmzoo.fixtures import make_audio, make_tiny_qwen2_audio, write_wav
 
 PROMPT = "What do you hear?"
 COUNTS = {"eager": [0, 1, 3], "xla": [3]}
 EXECUTORS = ["eager", "xla"]
-BACKENDS = _registry.options("attention")
+BACKENDS = config.options("attention")
 XLA = {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2}
 GEN = {"max_new_tokens": 16, "ignore_eos": True}
 _ENGINES: dict = {}
@@ -129,8 +129,8 @@ def test_audio_embeds_match_raw_audio(eager, ckpt, audio_files, executor):
 
 def test_xla_warmup_covers_every_clip_count(ckpt, audio_files):
     """The family's buckets (clips per call) and dummy clips compile everything a real request runs."""
-    config = AutoConfig.from_pretrained(ckpt)
-    assert Qwen2Audio().encoder_buckets(config, max_model_len=1024, max_media_rows=17408) == {"audio": [1, 2, 4, 8, 16]}
+    family = get_engine(ckpt, "eager").family
+    assert isinstance(family, Qwen2Audio) and family.encoder_buckets(max_model_len=1024, max_media_rows=17408) == [1, 2, 4, 8, 16]
     engine = mmzoo.load(ckpt, executor="xla", max_model_len=160, prefill_buckets=[160], min_encoder_rows=64,
                         max_encoder_rows=64, max_batch=2, progress=False, on_recompile="error")
     assert engine.executor.tower_buckets("audio") == [1, 2, 4]  # 4 clips of 50 rows fill the 160 + 64 media rows

@@ -25,12 +25,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import mmzoo
-from mmzoo import _registry
+from mmzoo import config
 from mmzoo.errors import MmzooError
 from mmzoo.executor import MeshSpec
 from mmzoo.executor._sharding import ShardingPlan, mesh_option
-from mmzoo.testing import make_image, make_tiny_qwen2_vl
-from mmzoo.testing_zoo import make_audio, make_tiny_llava, make_tiny_qwen2_audio, write_wav
+from mmzoo.fixtures import make_image, make_tiny_qwen2_vl
+from mmzoo.fixtures import make_audio, make_tiny_llava, make_tiny_qwen2_audio, write_wav
 
 GEN = {"max_new_tokens": 8, "ignore_eos": True}
 QWEN2_VL_XLA = {"max_model_len": 128, "max_batch": 2, "prefill_buckets": [64], "encoder_buckets": {"vision": [64]},
@@ -166,8 +166,8 @@ def test_kv_cache_sharding(spmd):
 # ---------------------------------------------------------------- bad meshes (this process, no SPMD)
 
 def test_mesh_config_group():
-    assert {"single", "tp", "dp_tp"} <= set(_registry.options("mesh"))
-    with initialize_config_dir(config_dir=str(_registry.CONF_DIR), version_base=None):
+    assert {"single", "tp", "dp_tp"} <= set(config.options("mesh"))
+    with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base=None):
         cfg = compose(config_name="infer", overrides=["mesh=tp", "mesh.model=4"])
         assert mesh_option(cfg.mesh) == MeshSpec(data=1, model=4)
         assert mesh_option(compose(config_name="infer").mesh) == MeshSpec()  # the default: single, no SPMD
@@ -189,12 +189,9 @@ def test_heads_not_divisible(ckpts):
 
 def _built(ckpt):
     """The family's modules for ``ckpt`` (random weights; structure only)."""
-    from mmzoo.backends import SDPAAttention
-    from mmzoo.engine import read_config
+    from mmzoo.engine import build_model
 
-    config, arch = read_config(ckpt)
-    family = _registry.family_for(arch)
-    return family.build(config, SDPAAttention())
+    return build_model(mmzoo.compose(values={"checkpoint": str(ckpt)}))[1]
 
 
 def test_kv_heads_neither_divides():

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
 
-from mmzoo.testing import SPECIAL_TOKENS, chat_template, make_image, make_tiny_qwen2_vl, train_tokenizer
+from mmzoo.fixtures import SPECIAL_TOKENS, chat_template, make_image, make_tiny_qwen2_vl, train_tokenizer
 
 TWO_IMAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
                                            {"type": "text", "text": "Describe this image."}]}]

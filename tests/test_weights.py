@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import mmzoo
 from mmzoo.errors import MmzooError
-from mmzoo.testing import make_tiny_qwen2_vl
+from mmzoo.fixtures import make_tiny_qwen2_vl
 
 
 def _logits(ckpt) -> np.ndarray:

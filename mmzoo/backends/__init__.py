@@ -25,7 +25,39 @@ from mmzoo.backends._base import AttentionBackend
 from mmzoo.backends.eager import EagerAttention
 from mmzoo.backends.sdpa import SDPAAttention
 
-__all__ = ["AttentionBackend", "EagerAttention", "SDPAAttention", "PallasAttention"]
+__all__ = ["AttentionBackend", "EagerAttention", "SDPAAttention", "PallasAttention", "resolve", "set_attention"]
+
+
+def resolve(attention) -> AttentionBackend:
+    """A backend from a backend object, a ``conf/attention`` option name (``"sdpa"``, ``"pallas"``,
+    ``"eager"``: built with that file's settings) or a config node with ``_target_``."""
+    if isinstance(attention, AttentionBackend):
+        return attention
+    if isinstance(attention, str):
+        from mmzoo.config import build_option
+
+        return build_option("attention", attention)
+    if hasattr(attention, "get") and attention.get("_target_"):
+        from hydra.utils import instantiate
+
+        return resolve(instantiate(attention))
+    raise TypeError(f"attention={attention!r}: give a backend, a conf/attention name or a config with _target_")
+
+
+def set_attention(module, attention) -> int:
+    """Give every :class:`~mmzoo.layers.Attention` inside ``module`` the backend ``attention`` (see
+    :func:`resolve`), checked against each layer's shape; returns how many layers were set. For
+    research code on built modules; pipelines choose backends in their config
+    (``model.encoder.attention=pallas``)."""
+    from mmzoo.layers import Attention
+
+    backend = resolve(attention)
+    layers = [m for m in module.modules() if isinstance(m, Attention)]
+    for layer in layers:
+        backend.check_shape(head_dim=layer.head_dim, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads)
+    for layer in layers:
+        layer.attn_fn = backend
+    return len(layers)
 
 
 def __getattr__(name):

@@ -1,10 +1,13 @@
-"""Vision and audio towers: plain nn.Modules mapping preprocessed media to features."""
+"""Vision and audio towers: plain nn.Modules mapping preprocessed media to features.
 
-from mmzoo.encoders.qwen2_vl_vit import PatchEmbed3D, Qwen2VisionEncoder, frame_segments, patch_positions
+Each encoder has a component builder (``qwen2_vl_vit``, ``clip_vit``, ``whisper``) that
+``conf/encoder/*.yaml`` names as its ``_target_``.
+"""
 
-__all__ = ["PatchEmbed3D", "Qwen2VisionEncoder", "frame_segments", "patch_positions"]
+from mmzoo.encoders.clip_vit import ClipVisionEncoder, clip_vit, resolve_feature_layers
+from mmzoo.encoders.qwen2_vl_vit import (PatchEmbed3D, Qwen2VisionEncoder, frame_segments, patch_positions,
+                                         qwen2_vl_vit)
+from mmzoo.encoders.whisper import WhisperEncoder, conv_lengths, whisper
 
-from mmzoo.encoders.clip_vit import ClipVisionEncoder, resolve_feature_layers  # noqa: E402
-from mmzoo.encoders.whisper import WhisperEncoder, conv_lengths  # noqa: E402
-
-__all__ += ["ClipVisionEncoder", "resolve_feature_layers", "WhisperEncoder", "conv_lengths"]
+__all__ = ["qwen2_vl_vit", "clip_vit", "whisper", "Qwen2VisionEncoder", "ClipVisionEncoder", "WhisperEncoder",
+           "PatchEmbed3D", "frame_segments", "patch_positions", "resolve_feature_layers", "conv_lengths"]

@@ -103,3 +103,23 @@ class ClipVisionEncoder(nn.Module):
         start = 0 if self.keep_cls else 1
         out = torch.cat([states[i][:, start:] for i in self.feature_layers], dim=-1)  # [n, t, e * layers]
         return out.flatten(0, 1)  # [n * t, e * layers]
+
+
+def clip_vit(*, image_size: int, patch_size: int, embed_dim: int, num_layers: int, num_heads: int,
+             intermediate_dim: int, in_channels: int = 3, act: str = "quick_gelu", feature_layer: int | list[int] = -2,
+             select_strategy: str = "default", norm_eps: float = 1e-5, attention="sdpa") -> ClipVisionEncoder:
+    """Component builder (``conf/encoder/clip_vit.yaml``): a CLIP ViT of ``num_layers`` blocks read at
+    ``feature_layer`` (Llava's ``vision_feature_layer``; only the blocks up to the deepest one are
+    built), keeping the class token with ``select_strategy="full"`` (``"default"`` drops it)."""
+    from mmzoo.backends import resolve
+
+    if select_strategy not in ("default", "full"):
+        raise ValueError(f"select_strategy={select_strategy!r}; expected 'default' or 'full'")
+    for name, value in (("image_size", image_size), ("patch_size", patch_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}={value!r}; only square sizes (one integer) are supported")
+    layers = resolve_feature_layers(feature_layer, num_layers)
+    return ClipVisionEncoder(image_size=image_size, patch_size=patch_size, in_channels=in_channels,
+                             embed_dim=embed_dim, depth=max(layers), num_heads=num_heads,
+                             intermediate_dim=intermediate_dim, act=act, feature_layers=layers,
+                             keep_cls=select_strategy == "full", attn_fn=resolve(attention), norm_eps=norm_eps)

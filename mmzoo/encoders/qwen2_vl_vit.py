@@ -106,3 +106,15 @@ def frame_segments(grid_thw: np.ndarray, start: int = 0) -> np.ndarray:
     """Segment id per patch: each frame of each image or video attends only within itself."""
     sizes = [h * w for t, h, w in np.asarray(grid_thw, dtype=np.int64).tolist() for _ in range(t)]
     return np.repeat(np.arange(start, start + len(sizes), dtype=np.int64), sizes)
+
+
+def qwen2_vl_vit(*, embed_dim: int, depth: int, num_heads: int, mlp_ratio: float = 4.0, in_channels: int = 3,
+                 temporal_patch_size: int = 2, patch_size: int = 14, act: str = "quick_gelu",
+                 rope_theta: float = 10000.0, norm_eps: float = 1e-6, attention="sdpa") -> Qwen2VisionEncoder:
+    """Component builder (``conf/encoder/qwen2_vl_vit.yaml``): Qwen2-VL's ViT with the attention
+    backend ``attention`` (a backend or a ``conf/attention`` name)."""
+    from mmzoo.backends import resolve
+
+    return Qwen2VisionEncoder(in_channels=in_channels, temporal_patch_size=temporal_patch_size, patch_size=patch_size,
+                              embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, act=act,
+                              attn_fn=resolve(attention), rope_theta=rope_theta, norm_eps=norm_eps)

@@ -93,3 +93,14 @@ class WhisperEncoder(nn.Module):
         if self.pool_stride > 1:
             x = F.avg_pool1d(x.transpose(1, 2), self.pool_stride, self.pool_stride).transpose(1, 2)  # [n, t, e]
         return self.norm(x).flatten(0, 1)  # [n * t, e]
+
+
+def whisper(*, num_mel_bins: int, embed_dim: int, depth: int, num_heads: int, ffn_dim: int, act: str = "gelu",
+            max_positions: int = 1500, pool_stride: int = 1, norm_eps: float = 1e-5, attention="sdpa") -> WhisperEncoder:
+    """Component builder (``conf/encoder/whisper.yaml``): Whisper's audio encoder, average-pooled by
+    ``pool_stride`` before its final norm (Qwen2-Audio: 2)."""
+    from mmzoo.backends import resolve
+
+    return WhisperEncoder(num_mel_bins=num_mel_bins, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
+                          ffn_dim=ffn_dim, act=act, max_positions=max_positions, attn_fn=resolve(attention),
+                          pool_stride=pool_stride, norm_eps=norm_eps)

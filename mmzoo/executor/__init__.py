@@ -1,10 +1,10 @@
 """Executors: own devices, padding, caches, scheduling and sampling; modules own none of it."""
 
-from mmzoo.executor._loop import Executor, Result
+from mmzoo.executor._loop import Executor
 from mmzoo.executor._sharding import MeshSpec
 from mmzoo.executor.eager import EagerExecutor
 
-__all__ = ["Executor", "Result", "EagerExecutor", "XLAExecutor", "MeshSpec"]
+__all__ = ["Executor", "EagerExecutor", "XLAExecutor", "MeshSpec"]
 
 
 def __getattr__(name):

@@ -22,43 +22,17 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from mmzoo.errors import MmzooError
-from mmzoo.executor._buckets import round_up
+from mmzoo.buckets import round_up
 from mmzoo.executor._sampling import greedy, sample
 from mmzoo.lms import KVCache
-from mmzoo.models._types import Prepared
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class Result:
-    """The outcome of one request."""
-
-    id: Any
-    prompt: str
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    prompt_token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""
-    ttft_s: float = 0.0
-    latency_s: float = 0.0
-    token_times_s: list[float] = field(default_factory=list, repr=False)  # arrival of each token
-    graphs_compiled_after_warmup: int = 0
-    error: str | None = None
-
-    def to_json(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k != "token_times_s"}
-        if out["error"] is None:
-            del out["error"]
-        return out
-
+from mmzoo.types import DTYPES, Prepared, Result
 
 @dataclass
 class _Seq:

@@ -98,9 +98,9 @@ def mesh_option(mesh) -> MeshSpec | None:
     if mesh is None or isinstance(mesh, MeshSpec):
         return mesh
     if isinstance(mesh, str):
-        from mmzoo import _registry
+        from mmzoo.config import build_option
 
-        return _registry.build_option("mesh", mesh)
+        return build_option("mesh", mesh)
     if isinstance(mesh, Mapping) or hasattr(mesh, "items"):
         fields = {str(k): v for k, v in mesh.items() if k != "_target_"}
         unknown = sorted(set(fields) - {"data", "model"})

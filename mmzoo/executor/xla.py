@@ -20,10 +20,9 @@ from collections import deque
 import numpy as np
 import torch
 
-from mmzoo.errors import MmzooError
-from mmzoo.executor._buckets import doubling, pick
+from mmzoo.buckets import doubling, pick
 from mmzoo.executor._loop import Executor, _Seq
-from mmzoo.models._types import Prepared, Request, TowerInput
+from mmzoo.types import Prepared, Request, TowerInput
 
 _CACHE_DIR: str | None = None
 
@@ -269,7 +268,7 @@ class XLAExecutor(Executor):
     # -- sharding over a device mesh (torch_xla SPMD: mmzoo/executor/_sharding.py) --------------
     sharding = None  # a DeviceMesh after use_mesh()
 
-    def use_mesh(self, mesh, model) -> None:
+    def use_mesh(self, mesh, model, plan=None) -> None:
         """Split ``model`` (built, not yet placed) over ``mesh`` (a :class:`MeshSpec`): validates the
         mesh against the model's heads, ``max_batch`` and the devices, then turns SPMD on. Call
         before :meth:`setup`, which then annotates the weights and the KV cache."""

@@ -1,6 +1,10 @@
-"""Language models (decoders) and their KV cache."""
+"""Language models (decoders) and their KV cache.
 
-from mmzoo.lms.decoder import DecoderLM
+``conf/lm/*.yaml`` name the component builders ``qwen2`` and ``llama`` (one :class:`DecoderLM`,
+parametrized) as their ``_target_``.
+"""
+
+from mmzoo.lms.decoder import DecoderLM, llama, qwen2
 from mmzoo.lms.kv_cache import DecodeView, KVCache, PrefillView
 
-__all__ = ["DecoderLM", "KVCache", "PrefillView", "DecodeView"]
+__all__ = ["qwen2", "llama", "DecoderLM", "KVCache", "PrefillView", "DecodeView"]

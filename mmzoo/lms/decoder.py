@@ -75,3 +75,45 @@ class DecoderLM(nn.Module):
         if logits_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_index]  # [b, dim]
         return self.lm_head(self.norm(x)).float()
+
+
+# ---------------------------------------------------------------- component builders (conf/lm/*.yaml)
+
+def _plain_rope(rope_type: str) -> None:
+    if rope_type != "default":
+        raise ValueError(f"rope_type={rope_type!r} is not supported (only plain RoPE)")
+
+
+def qwen2(*, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_dim: int,
+          head_dim: int | None = None, rope_theta: float = 1e6, mrope_section: list[int] | None = None,
+          rope_type: str = "default", norm_eps: float = 1e-6, act: str = "silu", tie_word_embeddings: bool = False,
+          sliding_window: bool = False, attention="sdpa") -> DecoderLM:
+    """The Qwen2 decoder (q/k/v bias, RMSNorm, SwiGLU): 1-D RoPE, or Qwen2-VL's M-RoPE when
+    ``mrope_section`` (frequencies per t/h/w axis) is given."""
+    from mmzoo.backends import resolve
+    from mmzoo.layers import mrope, rope_1d
+
+    _plain_rope(rope_type)
+    if sliding_window:
+        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    head_dim = head_dim or dim // num_heads
+    rotary = mrope(head_dim, rope_theta, list(mrope_section)) if mrope_section else rope_1d(head_dim, rope_theta)
+    return DecoderLM(vocab_size=vocab_size, dim=dim, num_layers=num_layers, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_dim=intermediate_dim, rotary=rotary,
+                     attn_fn=resolve(attention), qkv_bias=True, norm_eps=norm_eps, act=act,
+                     tie_word_embeddings=tie_word_embeddings)
+
+
+def llama(*, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_dim: int,
+          head_dim: int | None = None, rope_theta: float = 10000.0, rope_type: str = "default", norm_eps: float = 1e-5,
+          act: str = "silu", tie_word_embeddings: bool = False, attention="sdpa") -> DecoderLM:
+    """The Llama decoder: no q/k/v bias, RMSNorm, SwiGLU, 1-D RoPE."""
+    from mmzoo.backends import resolve
+    from mmzoo.layers import rope_1d
+
+    _plain_rope(rope_type)  # a checkpoint with attention/MLP biases fails strict loading (unexpected tensors)
+    head_dim = head_dim or dim // num_heads
+    return DecoderLM(vocab_size=vocab_size, dim=dim, num_layers=num_layers, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_dim=intermediate_dim,
+                     rotary=rope_1d(head_dim, rope_theta), attn_fn=resolve(attention), qkv_bias=False,
+                     norm_eps=norm_eps, act=act, tie_word_embeddings=tie_word_embeddings)

@@ -1,12 +1,9 @@
-"""Model families: component builders, weight mapping and request preparation per family."""
+"""The composition (towers + LM) and the model families (what each adds to its components)."""
 
-from mmzoo.models._types import Prepared, Request, TowerInput
 from mmzoo.models.composition import MultimodalLM, Tower
+from mmzoo.models.family import TP_PLAN, Family, Media
+from mmzoo.models.llava import Llava
+from mmzoo.models.qwen2_audio import Qwen2Audio
 from mmzoo.models.qwen2_vl import Qwen2VL
 
-__all__ = ["MultimodalLM", "Tower", "Qwen2VL", "Prepared", "Request", "TowerInput"]
-
-from mmzoo.models.llava import Llava  # noqa: E402
-from mmzoo.models.qwen2_audio import Qwen2Audio  # noqa: E402
-
-__all__ += ["Llava", "Qwen2Audio"]
+__all__ = ["MultimodalLM", "Tower", "Family", "Media", "TP_PLAN", "Qwen2VL", "Llava", "Qwen2Audio"]

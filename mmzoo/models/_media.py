@@ -1,11 +1,14 @@
-"""Loading media given as paths (or already-loaded objects), with errors that name the field."""
+"""Loading media given as paths (or already-loaded objects), with errors that name the field:
+images and video frames with pillow, audio with librosa."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from PIL import Image, UnidentifiedImageError
 
 from mmzoo.errors import MmzooError
@@ -73,3 +76,38 @@ def _gif_frames(path: Path, field: str) -> list[Image.Image]:
             return [frame.convert("RGB") for frame in ImageSequence.Iterator(img)]
     except (UnidentifiedImageError, OSError) as e:
         raise MmzooError(f"{field}: {path} is not a readable GIF ({e.__class__.__name__})") from None
+
+
+def load_audios(items: list[Any], sampling_rate: int, field: str = "audios") -> list[np.ndarray]:
+    """Mono float32 clips at ``sampling_rate``: files are read and resampled with librosa; 1-D arrays
+    are taken as already at that rate. Errors name the item."""
+    import librosa
+
+    clips = []
+    for i, item in enumerate(items or []):
+        name = f"{field}[{i}]"
+        if isinstance(item, (np.ndarray, torch.Tensor)):
+            clip = np.asarray(item.cpu() if isinstance(item, torch.Tensor) else item)
+            if clip.ndim != 1 or clip.dtype.kind != "f":
+                raise MmzooError(f"{name}: an audio array must be 1-D float samples at {sampling_rate} Hz, "
+                                 f"got {clip.dtype} {list(clip.shape)}")
+            where = "the array"
+        else:
+            path = Path(str(item))
+            if not path.exists():
+                raise MmzooError(f"{name}: audio file {path} does not exist")
+            if not path.is_file():
+                raise MmzooError(f"{name}: {path} is not a file")
+            try:
+                with warnings.catch_warnings():  # librosa warns before its fallback decoder; the error says it all
+                    warnings.simplefilter("ignore")
+                    clip, _ = librosa.load(str(path), sr=sampling_rate, mono=True)
+            except Exception as e:  # soundfile, audioread and resampling errors have no common base
+                raise MmzooError(f"{name}: {path} is not a readable audio file ({e.__class__.__name__})") from None
+            where = str(path)
+        if clip.size == 0:
+            raise MmzooError(f"{name}: {where} is empty (no samples)")
+        if not np.all(np.isfinite(clip)):
+            raise MmzooError(f"{name}: {where} has non-finite samples")
+        clips.append(clip.astype(np.float32))
+    return clips

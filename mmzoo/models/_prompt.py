@@ -1,5 +1,5 @@
-"""Request helpers shared by the model families: chat-template rendering with placeholder
-expansion, token-prompt placeholder runs, ``inputs_embeds`` prompts, refusing foreign inputs."""
+"""Prompt helpers of the family template (:mod:`mmzoo.models.family`): chat-template rendering with
+placeholder expansion, token-prompt placeholder runs, ``inputs_embeds`` prompts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 
 from mmzoo.errors import MmzooError
 from mmzoo.models._embeds import as_embeds
-from mmzoo.models._types import Prepared, Request, TowerInput
+from mmzoo.types import Prepared, Request, TowerInput
 
 
 def expand_runs(ids: np.ndarray, token: int, counts: list[int], *, what: str, note: str = "") -> np.ndarray:
@@ -66,11 +66,3 @@ def prepare_inputs_embeds(request: Request, *, hidden: int, position_axes: int =
     return Prepared(request=request, input_ids=np.zeros(s, np.int64), positions=np.tile(np.arange(s), (position_axes, 1)),
                     position_delta=0, mm_index=np.arange(s),
                     media=[TowerInput(tower="inputs_embeds", inputs={}, num_embeds=s, embeds=emb)])
-
-
-def refuse(request: Request, family: str, fields: tuple[str, ...]) -> None:
-    """A clear error for inputs this family has no tower for."""
-    given = [f for f in fields if getattr(request, f) is not None
-             and not (isinstance(getattr(request, f), (list, tuple)) and not getattr(request, f))]
-    if given:
-        raise MmzooError(f"model={family} does not take {', '.join(given)}")

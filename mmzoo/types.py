@@ -1,4 +1,9 @@
-"""Requests and their host-side preparation, shared by every model family and executor."""
+"""The vocabulary that flows between mmzoo's stages.
+
+``Request`` (what a user asks) -> a family's ``prepare`` -> ``Prepared`` (token ids, positions and
+``TowerInput``s, host arrays) -> an executor -> ``Result`` (what comes back). ``DTYPES`` names the
+run dtypes every stage accepts.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from mmzoo.errors import MmzooError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -85,3 +93,26 @@ class Prepared:
     media: list[TowerInput] = field(default_factory=list)
     grids: dict[str, np.ndarray] = field(default_factory=dict)  # "image"/"video" -> grid_thw (Qwen2-VL)
     lengths: dict[str, np.ndarray] = field(default_factory=dict)  # "audio" -> embedding rows per clip
+
+
+@dataclass
+class Result:
+    """The outcome of one request."""
+
+    id: Any
+    prompt: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    token_times_s: list[float] = field(default_factory=list, repr=False)  # arrival of each token
+    graphs_compiled_after_warmup: int = 0
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "token_times_s"}
+        if out["error"] is None:
+            del out["error"]
+        return out

@@ -10,7 +10,7 @@ so a seed fixes the data; the training recipe and the tests use different seeds.
 
 Typical use::
 
-    from mmzoo.shapes import make_examples
+    from mmzoo.demo.shapes import make_examples
     for ex in make_examples(8, seed=0):
         ex.image, ex.question, ex.answer, ex.category
 """

@@ -1,4 +1,10 @@
-"""Reading Hugging Face checkpoint weights (safetensors only, never pickle) and strict loading."""
+"""Reading Hugging Face checkpoints: config.json, weights (safetensors only, never pickle), strict loading.
+
+``read_config`` (from :mod:`mmzoo.config`) gives the transformers config; :func:`read_safetensors`
+the tensors; :func:`load_strict` copies them into a module, naming every missing, unexpected or
+mis-shaped tensor; :func:`load_component` loads a family checkpoint's weights into one component
+(encoder, adapter or LM) built on its own, for research code.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from mmzoo.config import read_config
 from mmzoo.errors import MmzooError
+
+__all__ = ["read_config", "read_safetensors", "load_strict", "load_component"]
 
 
 def read_safetensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
@@ -55,3 +64,27 @@ def load_strict(module: nn.Module, state_dict: dict[str, torch.Tensor], *, sourc
     if problems:
         raise MmzooError(f"weights in {source} do not match the model: " + "; ".join(problems))
     module.load_state_dict({k: v for k, v in state_dict.items()}, strict=False, assign=False)
+
+
+def load_component(module: nn.Module, checkpoint: str | Path, part: str, *, model: str | None = None,
+                   config_dir=None) -> nn.Module:
+    """Load ``part`` (``"encoder"``, ``"adapter"`` or ``"lm"``) of a family checkpoint into ``module``,
+    a component built on its own (``instantiate(cfg.model.encoder)``, ``mmzoo.encoders.clip_vit(...)``):
+    the family maps the checkpoint's names (``model`` = its conf option; None: from config.json's
+    architectures), and the component's prefix (``towers.vision.encoder.``, ``lm.``) is stripped.
+    Strict: every tensor of ``module`` must be in the checkpoint with its shape. Returns ``module``."""
+    from mmzoo.config import compose
+    from mmzoo.engine import instantiate_part
+
+    if part not in ("encoder", "adapter", "lm"):
+        raise MmzooError(f"part={part!r}: choose encoder, adapter or lm")
+    overrides = [f"model={model}"] if model else []
+    cfg = compose(overrides, config_dir=config_dir, values={"checkpoint": str(checkpoint)})
+    family = instantiate_part(cfg.model.family, "model.family")
+    prefix = "lm." if part == "lm" else f"towers.{family.tower}.{part}."
+    state = {k[len(prefix):]: v for k, v in family.convert_weights(read_safetensors(checkpoint)).items()
+             if k.startswith(prefix)}
+    if part == "lm" and getattr(module, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    load_strict(module, state, source=f"{checkpoint} ({prefix}*)")
+    return module

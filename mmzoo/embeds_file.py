@@ -1,11 +1,9 @@
-"""The safetensors file ``mmzoo.encode`` writes: embeddings, grid_thw and what made them."""
+"""The safetensors file ``mmzoo.encode`` writes: embeddings, their layout (grid_thw, lengths) and what made them."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -13,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mmzoo.errors import MmzooError
+from mmzoo.files import atomic_path
 
 FORMAT = "mmzoo.embeds/1"
 TENSOR_FIELDS = ("image_embeds", "image_grid_thw", "video_embeds", "video_grid_thw", "audio_embeds", "audio_lengths")
@@ -30,17 +29,8 @@ def fingerprint(weights: dict[str, torch.Tensor]) -> str:
 
 def write(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write atomically: a temp file in the same directory, then rename."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise MmzooError(f"output directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": FORMAT, **metadata})
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": FORMAT, **metadata})
 
 
 def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

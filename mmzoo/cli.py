@@ -46,8 +46,8 @@ def add_checkpoint_choices(argv: list[str], config_name: str) -> list[str]:
     if args.help or args.hydra_help or args.info or args.shell_completion:
         return argv
     try:
-        overrides = list(args.overrides) + config._searchpath(args.config_dir)
-        cfg = config._compose(args.config_name or config_name, overrides)
+        overrides = list(args.overrides)
+        cfg = config._compose(args.config_name or config_name, overrides, args.config_dir)
         keys = config.override_keys(overrides)
     except Exception:  # noqa: BLE001 - a bad override or config: Hydra's own run reports it
         return argv
@@ -56,7 +56,7 @@ def add_checkpoint_choices(argv: list[str], config_name: str) -> list[str]:
     except MmzooError as e:  # the checkpoint names a component the zoo lacks
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    return argv + extra
+    return extra + argv  # before any flag: argparse takes the overrides as one run
 
 
 def hydra_main(task: Callable[[DictConfig], object], config_name: str, *, config_dir=None) -> Callable[[], None]:

@@ -141,32 +141,39 @@ register_resolvers()
 
 # ----------------------------------------------------------------------------- the search path
 
+def _dirs(config_dir) -> list[Path]:
+    if config_dir is None:
+        return []
+    dirs = [Path(config_dir)] if isinstance(config_dir, (str, Path)) else [Path(d) for d in config_dir]
+    for d in dirs:
+        if not d.is_dir():
+            raise MmzooError(f"config_dir {d} is not a directory")
+    return [d.resolve() for d in dirs]
+
+
 @contextlib.contextmanager
-def zoo(config_dir: str | Path | None = None) -> Iterator[None]:
-    """Hydra initialized on mmzoo's conf/ (plus ``config_dir``), restoring any Hydra state around it
-    (so the API also works inside a ``@hydra.main`` app or a test that initialized Hydra)."""
-    from hydra import initialize_config_dir
+def zoo(config_dir=None) -> Iterator[None]:
+    """Hydra initialized on mmzoo's conf/ plus ``config_dir`` (a directory or a list), searched as
+    ``--config-dir`` is on the command line; any Hydra state around it is restored afterwards (so
+    the API also works inside a ``@hydra.main`` app, or a test that initialized Hydra)."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.singleton import Singleton
 
+    dirs = _dirs(config_dir)
     saved = Singleton._instances.pop(GlobalHydra, None)
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            yield
+        search_path = create_config_search_path(str(CONF_DIR))
+        for d in dirs:  # what hydra.main does with --config-dir
+            search_path.prepend(provider="command-line", path=f"file://{d}", anchor=SearchPathQuery(provider="schema"))
+        Hydra.create_main_hydra2(task_name="mmzoo", config_search_path=search_path)
+        yield
     finally:
         Singleton._instances.pop(GlobalHydra, None)
         if saved is not None:
             Singleton._instances[GlobalHydra] = saved
-
-
-def _searchpath(config_dir) -> list[str]:
-    if config_dir is None:
-        return []
-    dirs = [config_dir] if isinstance(config_dir, (str, Path)) else list(config_dir)
-    for d in dirs:
-        if not Path(d).is_dir():
-            raise MmzooError(f"config_dir {d} is not a directory")
-    return ["hydra.searchpath=[" + ",".join(f"file://{Path(d).resolve()}" for d in dirs) + "]"]
 
 
 def options(group: str, *, config_dir=None) -> list[str]:
@@ -174,16 +181,15 @@ def options(group: str, *, config_dir=None) -> list[str]:
     user's directories)."""
     from hydra.core.global_hydra import GlobalHydra
 
-    with zoo():
-        loader = GlobalHydra.instance().config_loader()
-        return sorted(loader.get_group_options(group, config_name="infer", overrides=_searchpath(config_dir)))
+    with zoo(config_dir):
+        return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
 
 
-def _compose(config_name: str, overrides: list[str]) -> DictConfig:
+def _compose(config_name: str, overrides: list[str], config_dir=None) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra.errors import HydraException
 
-    with zoo():
+    with zoo(config_dir):
         try:
             return hydra_compose(config_name=config_name, overrides=overrides)
         except HydraException as e:
@@ -223,7 +229,9 @@ def auto_overrides(cfg: DictConfig, given: set[str], *, config_dir=None, verbose
             model = _model_node(found[0], config_dir)
             if verbose:
                 print(f"mmzoo: {checkpoint} is a {arch} checkpoint: model={found[0]}", file=sys.stderr)
-    for group, path in (model.get("from_checkpoint") or {}).items() if model is not None else ():
+    if model is None or arch not in (model.get("architectures") or []):
+        return out  # component choices follow only a checkpoint of this family
+    for group, path in (model.get("from_checkpoint") or {}).items():
         key = f"{group}@model.{group}"
         if key in given:
             continue
@@ -238,7 +246,7 @@ def auto_overrides(cfg: DictConfig, given: set[str], *, config_dir=None, verbose
 
 
 def _model_node(name: str, config_dir) -> DictConfig:
-    return _compose("infer", [f"model={name}", *_searchpath(config_dir)]).model
+    return _compose("infer", [f"model={name}"], config_dir).model
 
 
 def _with_values(cfg: DictConfig, values: dict | None) -> DictConfig:
@@ -253,11 +261,11 @@ def compose(overrides: list[str] | tuple = (), config_name: str = "infer", *, co
     """Compose ``config_name`` (``infer``, ``encode``, ``bench`` or a recipe on the search path) with
     Hydra overrides, then ``values`` merged in (Python values: paths need no quoting), and the
     choices the checkpoint implies (:func:`auto_overrides`)."""
-    overrides = list(overrides) + _searchpath(config_dir)
-    cfg = _with_values(_compose(config_name, overrides), values)
+    overrides = list(overrides)
+    cfg = _with_values(_compose(config_name, overrides, config_dir), values)
     given = override_keys(overrides) | set(values or {})
     extra = auto_overrides(cfg, given, config_dir=config_dir, verbose=verbose)
-    return _with_values(_compose(config_name, overrides + extra), values) if extra else cfg
+    return _with_values(_compose(config_name, overrides + extra, config_dir), values) if extra else cfg
 
 
 def build_option(group: str, name: str, *, config_dir=None, **fields):
@@ -267,5 +275,5 @@ def build_option(group: str, name: str, *, config_dir=None, **fields):
 
     if name not in options(group, config_dir=config_dir):
         raise MmzooError(f"{group}={name!r} is not an option; choose one of {options(group, config_dir=config_dir)}")
-    node = _compose("infer", [f"{group}={name}", *_searchpath(config_dir)])[group]
+    node = _compose("infer", [f"{group}={name}"], config_dir)[group]
     return instantiate(OmegaConf.merge(node, fields) if fields else node)

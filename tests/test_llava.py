@@ -168,3 +168,21 @@ def test_cli(ckpt, image_files, tmp_path):
     assert "model=llava" in p.stderr
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(row["token_ids"]) == 5 and row["images"] == image_files[:2]
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_qwen2_text_model_matches_transformers(llava_qwen2_ckpt, image_files, executor):
+    """A Llava checkpoint with a Qwen2 text_config (LLaVA-Interleave / OneVision style): the LM
+    component comes from text_config.model_type, no family code of its own, and the tokens are
+    transformers' generate()'s."""
+    from mmzoo.engine import backends_of
+
+    ref = hf_reference(llava_qwen2_ckpt, image_files, [2])[2]
+    engine = mmzoo.load(llava_qwen2_ckpt, executor=executor, max_model_len=256, **(XLA if executor == "xla" else {}))
+    assert engine.cfg.model.name == "llava" and engine.cfg.model.lm._target_ == "mmzoo.lms.qwen2"
+    assert any(name.endswith("bias") for name, _ in engine.model.lm.layers[0].attn.named_parameters())  # Qwen2's q/k/v bias
+    assert backends_of(engine.model.lm) == ["sdpa"]
+    prepared = engine.prepare(mmzoo.Request(prompt=PROMPT, images=image_files[:2]))
+    np.testing.assert_allclose(engine.executor.prompt_logits(prepared), ref["logits"], atol=1e-4, rtol=0)
+    result = engine.generate(mmzoo.Request(prompt=PROMPT, images=image_files[:2], **GEN))
+    assert result.prompt_token_ids == ref["ids"] and result.token_ids == ref["tokens"]

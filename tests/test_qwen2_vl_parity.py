@@ -76,3 +76,18 @@ def test_batched_requests_match_one_at_a_time(qwen2_vl_ckpt, reference, image_fi
             for n in (2, 0, 1, 2)]
     results = engine.generate(reqs)
     assert [r.token_ids for r in results] == [reference[n]["tokens"] for n in (2, 0, 1, 2)]
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_per_module_attention_matches_transformers(qwen2_vl_ckpt, reference, image_files, executor):
+    """``model.encoder.attention=pallas`` reaches the ViT alone: Pallas there, SDPA in the LM, and the
+    tokens are still transformers'."""
+    from mmzoo.engine import backends_of
+
+    engine = mmzoo.load(qwen2_vl_ckpt, executor=executor, attention="sdpa", max_model_len=256,
+                        overrides=["model.encoder.attention=pallas"], **(XLA_SMALL if executor == "xla" else {}))
+    assert backends_of(engine.model.towers["vision"].encoder) == ["pallas"]
+    assert backends_of(engine.model.lm) == ["sdpa"]
+    assert engine.cfg.model.encoder.attention == "pallas"
+    result = engine.generate(PROMPTS[2], images=image_files[:2], max_new_tokens=16, ignore_eos=True)
+    assert result.token_ids == reference[2]["tokens"]

@@ -1,0 +1,11 @@
+"""Adapters (projectors) between an encoder's features and the language model's embeddings.
+
+``conf/adapter/*.yaml`` name these as their ``_target_``: ``PatchMerger`` (Qwen2-VL),
+``mlp_projector`` (Llava), ``AudioProjector`` (Qwen2-Audio).
+"""
+
+from mmzoo.adapters.audio_projector import AudioProjector
+from mmzoo.adapters.mlp_projector import mlp_projector
+from mmzoo.adapters.patch_merger import PatchMerger
+
+__all__ = ["PatchMerger", "mlp_projector", "AudioProjector"]

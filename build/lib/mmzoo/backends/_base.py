@@ -1,0 +1,148 @@
+"""The shared pieces of every attention backend: argument checks and the reference mask."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class AttentionBackend:
+    """Base of the attention backends: holds the name and the construction-time shape check.
+
+    Subclasses implement ``__call__`` with the signature documented in :mod:`mmzoo.backends`.
+    """
+
+    name: str = "?"
+    # whether the backend multiplies q by k^T with a plain matmul: an executor may then hold a KV
+    # cache's keys transposed, and the matmul reads them in place (a kernel reading [s, d] key
+    # tiles, like Pallas', would instead need them copied back)
+    matmul_keys: bool = False
+    # whether the backend itself skips the keys past each query's position (Pallas' decode kernel
+    # stops at the last block a sequence reaches): an executor then gains nothing by handing it a
+    # shorter, bucketed view of the KV cache, and hands it the whole cache
+    skips_past_length: bool = False
+
+    def check_shape(self, *, head_dim: int, num_heads: int, num_kv_heads: int) -> None:
+        """Raise ``ValueError`` if this backend cannot run attention of this shape.
+
+        Called by attention layers in ``__init__`` so that an unsupported shape fails at
+        construction, not in the middle of a forward pass.
+        """
+        if head_dim <= 0:
+            raise ValueError(f"{self.name} attention: head_dim must be positive, got {head_dim}")
+        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"{self.name} attention: num_heads={num_heads} is not a multiple of "
+                f"num_kv_heads={num_kv_heads}"
+            )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def folded_mask(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool, q_segment_ids, kv_segment_ids,
+                    q_positions, kv_lengths) -> torch.Tensor | None:
+        """:func:`visibility_mask` folded for GQA (:func:`fold_gqa`), built once per forward.
+
+        Every layer of a forward passes the same position / segment / length tensors, so the mask
+        of the previous call is reused while those are the same objects (the memo holds them, so
+        their identities stay valid). On XLA this keeps the traced graph smaller.
+        """
+        b, hq, sq, _ = q.shape
+        skv, groups = k.shape[2], hq // k.shape[1]
+        key = (b, sq, skv, groups, causal, str(q.device), q_segment_ids, kv_segment_ids, q_positions, kv_lengths)
+        if not any(isinstance(t, torch.Tensor) for t in key):
+            # shapes only: a memo would outlive the forward, and on XLA the next graph would take
+            # the materialized mask as an input instead of building it (a different graph than
+            # the one warmup compiled)
+            return self._folded(b, sq, skv, groups, q.device, causal, q_segment_ids, kv_segment_ids,
+                                q_positions, kv_lengths)
+        memo = getattr(self, "_mask_memo", None)
+        if memo is not None and len(memo[0]) == len(key) and all(
+                a is c if isinstance(a, torch.Tensor) or isinstance(c, torch.Tensor) else a == c
+                for a, c in zip(memo[0], key)):
+            return memo[1]
+        mask = self._folded(b, sq, skv, groups, q.device, causal, q_segment_ids, kv_segment_ids, q_positions,
+                            kv_lengths)
+        self._mask_memo = (key, mask)
+        return mask
+
+    @staticmethod
+    def _folded(b, sq, skv, groups, device, causal, q_segment_ids, kv_segment_ids, q_positions, kv_lengths):
+        mask = visibility_mask(b, sq, skv, device, causal=causal, q_segment_ids=q_segment_ids,
+                               kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_lengths=kv_lengths)
+        if mask is not None and groups > 1:
+            mask = mask.unsqueeze(2).expand(b, 1, groups, sq, skv).reshape(b, 1, groups * sq, skv)
+        return mask
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Check the layouts named in :mod:`mmzoo.backends` (shape metadata only, no tensor values)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"attention expects [b, h, s, d] tensors, got q{tuple(q.shape)} k{tuple(k.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"attention: k{tuple(k.shape)} and v{tuple(v.shape)} differ")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"attention: q{tuple(q.shape)} and k{tuple(k.shape)} disagree on batch or head_dim")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads")
+
+
+def visibility_mask(
+    b: int,
+    sq: int,
+    skv: int,
+    device: torch.device,
+    *,
+    causal: bool,
+    q_segment_ids: torch.Tensor | None,
+    kv_segment_ids: torch.Tensor | None,
+    q_positions: torch.Tensor | None,
+    kv_lengths: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Boolean ``[b, 1, sq, skv]`` mask, True where a key is visible; ``None`` if all are."""
+    mask = None
+    kv_idx = torch.arange(skv, device=device)  # [skv]
+    if causal:
+        if q_positions is None:
+            q_positions = (torch.arange(sq, device=device) + (skv - sq)).expand(b, sq)
+        mask = kv_idx.view(1, 1, skv) <= q_positions.view(b, sq, 1)  # [b, sq, skv]
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("attention: pass both q_segment_ids and kv_segment_ids, or neither")
+    if q_segment_ids is not None:
+        seg = q_segment_ids.view(b, sq, 1) == kv_segment_ids.view(b, 1, skv)  # [b, sq, skv]
+        mask = seg if mask is None else mask & seg
+    if kv_lengths is not None:
+        lens = (kv_idx.view(1, 1, skv) < kv_lengths.view(b, 1, 1)).expand(b, sq, skv)
+        mask = lens if mask is None else mask & lens
+    return None if mask is None else mask.unsqueeze(1)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[b, hkv, s, d]`` -> ``[b, hkv * groups, s, d]``: each kv head serves ``groups`` query heads."""
+    if groups == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+
+
+def fold_gqa(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """GQA without repeating kv heads: the ``groups`` query heads that share a kv head become
+    extra query rows of it, so every key is read in place (no per-step copy of the KV cache).
+
+    ``q [b, hq, sq, d]`` -> ``[b, hkv, groups * sq, d]`` (the matching mask is
+    :meth:`AttentionBackend.folded_mask`). Returns ``(q, unfold)`` where ``unfold(out)`` restores
+    ``[b, hq, sq, d]``. Query head ``i`` uses kv head ``i // groups``, as :func:`repeat_kv` does.
+    """
+    b, hq, sq, d = q.shape
+    groups = hq // k.shape[1]
+    if groups == 1:
+        return q, lambda out: out
+    return q.reshape(b, k.shape[1], groups * sq, d), lambda out: out.reshape(b, hq, sq, out.shape[-1])
+
+
+def checked_full_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the layouts, then repeat kv heads to the query heads (the dense backends' GQA)."""
+    check_inputs(q, k, v)
+    groups = q.shape[1] // k.shape[1]
+    return repeat_kv(k, groups), repeat_kv(v, groups)

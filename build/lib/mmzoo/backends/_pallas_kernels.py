@@ -1,0 +1,385 @@
+"""JAX Pallas attention kernels behind :class:`mmzoo.backends.pallas.PallasAttention`.
+
+Two kernels, one online-softmax step (Dao et al., "FlashAttention", 2022):
+
+* :func:`flash_attention`: blocked attention for encoder and prefill calls. Grid
+  ``(b, hq, q blocks, kv blocks)``; each query head reads its kv head through the index map, so
+  grouped-query attention never materializes repeated kv heads.
+* :func:`decode_attention`: a few queries per sequence against a KV cache. Grid
+  ``(b, hkv, kv blocks)``; the ``groups * sq`` query rows that share a kv head form one tile, so
+  each cache block is read once per kv head.
+
+Both take the masking arguments of :mod:`mmzoo.backends` as JAX arrays (``None`` when absent)
+and skip the kv blocks that no query of a tile can see: the index map clamps to the last
+needed block (no copy on TPU) and ``pl.when`` skips the arithmetic (also in interpret mode).
+
+The same source compiles with Mosaic on TPU (``interpret=False``) and runs through Pallas'
+HLO interpreter anywhere else (``interpret=True``). Layouts follow the TPU's (8, 128) tiling:
+per-query metadata (positions, segment ids) is broadcast over 128 lanes and per-key metadata
+over 8 sublanes, so no kernel ever transposes a vector.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+LANES = 128
+SUBLANES = 8
+# Finite stand-in for -inf: exp(MASK_VALUE - m) underflows to 0 and MASK_VALUE - MASK_VALUE == 0,
+# so rows that have seen nothing yet never produce NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_NT_DIMS = (((1,), (1,)), ((), ()))  # contract the last dims: q [r, d] . k [bk, d] -> [r, bk]
+
+
+def vmem_bytes(*, rows: int, block_kv: int, head_dim: int, itemsize: int = 4) -> int:
+    """Upper estimate of the VMEM one kernel step holds: double-buffered q/k/v/out tiles,
+    float32 accumulators and the ``[rows, block_kv]`` score intermediates."""
+    tiles = 2 * (2 * rows + 2 * block_kv) * head_dim * itemsize  # q, out, k, v; two buffers each
+    meta = 2 * (rows * LANES + SUBLANES * block_kv) * 4  # positions / segment ids
+    scratch = (rows * head_dim + 2 * rows * LANES) * 4  # acc, m, l
+    scores = 3 * rows * block_kv * 4  # s, p and the mask
+    return tiles + meta + scratch + scores
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _block(n: int, block: int) -> tuple[int, int]:
+    """(block size, padded length): one full-length block when ``n <= block`` (no padding; a
+    block equal to the array dim is always a legal TPU tile), else ``block`` and ``n`` rounded up."""
+    return (n, n) if n <= block else (block, _round_up(n, block))
+
+
+def _init_accumulators(m_ref, l_ref, acc_ref):
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
+def _online_softmax_step(q, k, v, visible, m_ref, l_ref, acc_ref, scale):
+    """Fold one kv block into the running max ``m``, sum ``l`` and output ``acc`` of each row.
+
+    ``m``/``l`` are kept replicated over 128 lanes (``[rows, 128]``), the TPU-native layout of a
+    per-row scalar. Masked scores become MASK_VALUE; while a row has seen no visible key its
+    ``m`` stays exactly MASK_VALUE and the junk it sums is wiped (``alpha == 0``) by the first
+    visible key, or dropped at the end by :func:`_write_output`.
+    """
+    s = jax.lax.dot_general(q, k, _NT_DIMS, preferred_element_type=jnp.float32) * scale  # [r, bk]
+    if visible is not None:
+        s = jnp.where(visible, s, MASK_VALUE)
+    m_prev = m_ref[...]  # [r, 128]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [r, 128]
+    alpha = jnp.exp(m_prev - m_next)  # [r, 128]
+    p = jnp.exp(s - m_next[:, :1])  # [r, bk]
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [r, d]
+    acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+    m_ref[...] = m_next
+
+
+def _write_output(o_ref, m_ref, l_ref, acc_ref):
+    """``acc / l``, and zeros for rows that never saw a visible key (``m`` still MASK_VALUE)."""
+    seen = m_ref[:, :1] > MASK_VALUE  # [r, 1]
+    l = jnp.where(seen, l_ref[:, :1], 1.0)
+    o_ref[...] = jnp.where(seen, acc_ref[...] / l, 0.0).astype(o_ref.dtype)
+
+
+def _flash_kernel(kv_len_ref, kv_stop_ref, *refs, block_kv, num_q_blocks, scale, causal,
+                  segments, mask_length):
+    q_ref, k_ref, v_ref, *refs = refs
+    q_pos_ref = refs.pop(0) if causal else None
+    q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if segments else (None, None)
+    o_ref, m_ref, l_ref, acc_ref = refs
+    bi, qi, kj = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(kj == 0)
+    def _():
+        _init_accumulators(m_ref, l_ref, acc_ref)
+
+    start = kj * block_kv
+
+    @pl.when(start < kv_stop_ref[bi * num_q_blocks + qi])
+    def _():
+        shape = (q_ref.shape[0], block_kv)
+        visible = None
+        if causal or mask_length:
+            kv_idx = start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)  # [bq, bk]
+        if mask_length:
+            visible = kv_idx < kv_len_ref[bi]
+        if causal:
+            rule = kv_idx <= q_pos_ref[:, :1]
+            visible = rule if visible is None else visible & rule
+        if segments:
+            rule = q_seg_ref[:, :1] == kv_seg_ref[:1, :]  # [bq, 1] == [1, bk]
+            visible = rule if visible is None else visible & rule
+        _online_softmax_step(q_ref[...], k_ref[...], v_ref[...], visible, m_ref, l_ref, acc_ref, scale)
+
+    @pl.when(kj == pl.num_programs(3) - 1)
+    def _():
+        _write_output(o_ref, m_ref, l_ref, acc_ref)
+
+
+def _kv_lengths(kv_lengths, b: int, skv: int) -> jax.Array:
+    """``[b]`` int32 number of real keys per sequence, clamped to the array length."""
+    if kv_lengths is None:
+        return jnp.full((b,), skv, jnp.int32)
+    return jnp.minimum(kv_lengths.astype(jnp.int32).reshape(b), skv)
+
+
+def _q_positions(q_positions, b: int, sq: int, skv: int) -> jax.Array:
+    if q_positions is None:  # the queries are the last sq keys
+        return jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32) + (skv - sq), (b, sq))
+    return q_positions.astype(jnp.int32).reshape(b, sq)
+
+
+def _one_call_per_sequence_and_kv_head(call, per_seq, per_head):
+    """``call(seq_slices, head_slices)`` for every (sequence, kv head), stacked to ``[b, hkv, ...]``.
+
+    Interpret mode only. Pallas' HLO interpreter writes every input block back after each grid
+    step, and XLA answers with a copy of each whole input per step, so a grid over ``b * hkv``
+    costs O(steps x inputs). Mapping the two leading grid axes outside the kernel keeps each
+    pallas_call's inputs at one (sequence, kv head). Native TPU runs the full grid.
+
+    Args:
+        per_seq: arrays with a leading ``b`` axis (lengths, per-query metadata).
+        per_head: arrays with leading ``[b, hkv]`` axes (q, k, v).
+    """
+    def one_sequence(xs):
+        seq, heads = xs
+        return jax.lax.map(lambda hs: call(seq, hs), heads)
+
+    return jax.lax.map(one_sequence, (per_seq, per_head))
+
+
+def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
+                    kv_lengths=None, *, scale: float, causal: bool, block_q: int, block_kv: int,
+                    interpret: bool, vmem_limit_bytes: int | None = None):
+    """Blocked attention with the full mmzoo masking contract.
+
+    Args:
+        q: ``[b, hq, sq, d]``; k, v: ``[b, hkv, skv, d]`` with ``hq % hkv == 0``.
+        q_segment_ids / kv_segment_ids: ``[b, sq]`` / ``[b, skv]`` or None (both or neither).
+        q_positions: ``[b, sq]`` or None; kv_lengths: ``[b]`` or None.
+        block_q: query rows per tile (a multiple of 8); block_kv: keys per tile (a multiple of 128).
+            A sequence no longer than its block is one full-length tile; a longer one is padded
+            up to a multiple of the block, and the padding is masked.
+
+    Returns:
+        ``[b, hq, sq, d]`` in q's dtype; rows that see no key are zeros.
+    """
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    segments = q_segment_ids is not None
+    bq, sq_p = _block(sq, block_q)
+    bk, skv_p = _block(skv, block_kv)
+    nq = sq_p // bq
+
+    kv_len = _kv_lengths(kv_lengths, b, skv)  # [b]
+    meta = []  # per-sequence tiles of query / key metadata
+    if causal:
+        pos = _pad_axis(_q_positions(q_positions, b, sq, skv), 1, sq_p, value=-1)  # [b, sq_p]
+        # A q tile needs the keys below min(kv_len, its last visible position + 1).
+        kv_stop = jnp.minimum(kv_len[:, None], pos.reshape(b, nq, bq).max(axis=2) + 1)  # [b, nq]
+        meta.append(jnp.broadcast_to(pos[:, :, None], (b, sq_p, LANES)))
+    else:
+        kv_stop = jnp.broadcast_to(kv_len[:, None], (b, nq))
+    if segments:
+        q_seg = _pad_axis(q_segment_ids.astype(jnp.int32).reshape(b, sq), 1, sq_p)
+        kv_seg = _pad_axis(kv_segment_ids.astype(jnp.int32).reshape(b, skv), 1, skv_p)
+        meta.append(jnp.broadcast_to(q_seg[:, :, None], (b, sq_p, LANES)))
+        meta.append(jnp.broadcast_to(kv_seg[:, None, :], (b, SUBLANES, skv_p)))
+    q = _pad_axis(q, 2, sq_p).reshape(b, hkv, groups, sq_p, d)  # free: a kv head's q heads are adjacent
+    k, v = _pad_axis(k, 2, skv_p), _pad_axis(v, 2, skv_p)
+
+    call = functools.partial(
+        _flash_call, bq=bq, bk=bk, scale=scale, causal=causal, segments=segments,
+        mask_length=kv_lengths is not None or skv_p != skv, interpret=interpret,
+        vmem_limit_bytes=vmem_limit_bytes)
+    if interpret:
+        def one(seq, heads):
+            length, stop, *m = seq  # [], [nq], [sq_p, 128] / [8, skv_p]
+            qh, kh, vh = heads  # [groups, sq_p, d], [skv_p, d], [skv_p, d]
+            return call(length[None], stop, qh[None], kh[None, None], vh[None, None], *(x[None] for x in m))[0]
+
+        out = _one_call_per_sequence_and_kv_head(one, (kv_len, kv_stop, *meta), (q, k, v))
+    else:
+        out = call(kv_len, kv_stop.reshape(b * nq), q.reshape(b, hq, sq_p, d), k, v, *meta)
+    out = out.reshape(b, hq, sq_p, d)
+    return out[:, :, :sq] if sq_p != sq else out
+
+
+def _flash_call(kv_len, kv_stop, q, k, v, *meta, bq, bk, scale, causal, segments, mask_length,
+                interpret, vmem_limit_bytes):
+    """The flash pallas_call on padded inputs: q ``[b, hq, sq_p, d]``, k/v ``[b, hkv, skv_p, d]``,
+    kv_len ``[b]``, kv_stop ``[b * nq]``, meta as built by :func:`flash_attention`."""
+    b, hq, sq_p, d = q.shape
+    groups = hq // k.shape[1]
+    nq, nk = sq_p // bq, k.shape[2] // bk
+
+    def kv_block(bi, qi, kj, kv_stop_ref):
+        # Past the last needed block keep pointing at it: an unchanged index is not re-fetched.
+        last = jnp.maximum(kv_stop_ref[bi * nq + qi] - 1, 0) // bk
+        return jnp.minimum(kj, last)
+
+    q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, h, qi, kj, *_: (bi, h, qi, 0))
+    kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, h, qi, kj, _, stop: (
+        bi, h // groups, kv_block(bi, qi, kj, stop), 0))
+    in_specs = [q_spec, kv_spec, kv_spec]
+    if causal:
+        in_specs.append(pl.BlockSpec((None, bq, LANES), lambda bi, h, qi, kj, *_: (bi, qi, 0)))
+    if segments:
+        in_specs.append(pl.BlockSpec((None, bq, LANES), lambda bi, h, qi, kj, *_: (bi, qi, 0)))
+        in_specs.append(pl.BlockSpec((None, SUBLANES, bk), lambda bi, h, qi, kj, _, stop: (
+            bi, 0, kv_block(bi, qi, kj, stop))))
+
+    kernel = functools.partial(_flash_kernel, block_kv=bk, num_q_blocks=nq, scale=scale,
+                               causal=causal, segments=segments, mask_length=mask_length)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(b, hq, nq, nk),
+            in_specs=in_specs,
+            out_specs=q_spec,
+            scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
+                            pltpu.VMEM((bq, d), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=vmem_limit_bytes),
+        interpret=interpret,
+        name="mmzoo_flash_attention",
+    )(kv_len, kv_stop.astype(jnp.int32), q, k, v, *meta)
+
+
+def _decode_kernel(kv_len_ref, kv_stop_ref, q_ref, k_ref, v_ref, *refs, block_kv, scale, causal,
+                   mask_length):
+    q_pos_ref = refs[0] if causal else None
+    o_ref, m_ref, l_ref, acc_ref = refs[-4:]
+    bi, kj = pl.program_id(0), pl.program_id(2)
+
+    @pl.when(kj == 0)
+    def _():
+        _init_accumulators(m_ref, l_ref, acc_ref)
+
+    start = kj * block_kv
+
+    @pl.when(start < kv_stop_ref[bi])
+    def _():
+        shape = (q_ref.shape[0], block_kv)
+        visible = None
+        if causal or mask_length:
+            kv_idx = start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)  # [rows, bk]
+        if mask_length:
+            visible = kv_idx < kv_len_ref[bi]
+        if causal:
+            rule = kv_idx <= q_pos_ref[:, :1]
+            visible = rule if visible is None else visible & rule
+        _online_softmax_step(q_ref[...], k_ref[...], v_ref[...], visible, m_ref, l_ref, acc_ref, scale)
+
+    @pl.when(kj == pl.num_programs(2) - 1)
+    def _():
+        _write_output(o_ref, m_ref, l_ref, acc_ref)
+
+
+def decode_attention(q, k, v, q_positions=None, kv_lengths=None, *, scale: float, causal: bool,
+                     block_kv: int, interpret: bool, vmem_limit_bytes: int | None = None):
+    """A few queries per sequence against a partly filled KV cache.
+
+    Args:
+        q: ``[b, hq, sq, d]`` with small ``sq`` (the new tokens); k, v: ``[b, hkv, S, d]`` caches.
+        q_positions: ``[b, sq]`` position of each new token (per sequence), or None for the last
+            ``sq`` cache rows; used by the causal rule.
+        kv_lengths: ``[b]`` filled length of each cache row, or None.
+        block_kv: cache rows per tile (a multiple of 128). A cache longer than one block whose
+            length is not a multiple of it is padded (a copy): size caches in whole blocks.
+
+    Returns:
+        ``[b, hq, sq, d]`` in q's dtype; rows that see no key are zeros.
+    """
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    rows = groups * sq
+    bk, skv_p = _block(skv, block_kv)
+
+    kv_len = _kv_lengths(kv_lengths, b, skv)  # [b]
+    meta = []
+    if causal:
+        pos = _q_positions(q_positions, b, sq, skv)  # [b, sq]
+        kv_stop = jnp.minimum(kv_len, pos.max(axis=1) + 1)  # [b]
+        pos_rows = jnp.broadcast_to(pos[:, None, :], (b, groups, sq)).reshape(b, rows)
+        meta.append(jnp.broadcast_to(pos_rows[:, :, None], (b, rows, LANES)))
+    else:
+        kv_stop = kv_len
+    # The groups query heads of a kv head are adjacent: [b, hq, sq, d] -> [b, hkv, groups * sq, d]
+    # is a free reshape, and row r of a tile is query r % sq.
+    q = q.reshape(b, hkv, rows, d)
+    k, v = _pad_axis(k, 2, skv_p), _pad_axis(v, 2, skv_p)
+
+    call = functools.partial(_decode_call, bk=bk, scale=scale, causal=causal,
+                             mask_length=kv_lengths is not None or skv_p != skv, interpret=interpret,
+                             vmem_limit_bytes=vmem_limit_bytes)
+    if interpret:
+        def one(seq, heads):
+            length, stop, *m = seq  # [], [], [rows, 128]
+            qh, kh, vh = heads  # [rows, d], [skv_p, d], [skv_p, d]
+            return call(length[None], stop[None], qh[None, None], kh[None, None], vh[None, None],
+                        *(x[None] for x in m))[0, 0]
+
+        out = _one_call_per_sequence_and_kv_head(one, (kv_len, kv_stop, *meta), (q, k, v))
+    else:
+        out = call(kv_len, kv_stop, q, k, v, *meta)
+    return out.reshape(b, hq, sq, d)
+
+
+def _decode_call(kv_len, kv_stop, q, k, v, *meta, bk, scale, causal, mask_length, interpret,
+                 vmem_limit_bytes):
+    """The decode pallas_call: q ``[b, hkv, rows, d]``, k/v ``[b, hkv, S_p, d]``, kv_len and
+    kv_stop ``[b]``, meta as built by :func:`decode_attention`."""
+    b, hkv, rows, d = q.shape
+
+    def kv_spec_index(bi, h, kj, _, kv_stop_ref):
+        return bi, h, jnp.minimum(kj, jnp.maximum(kv_stop_ref[bi] - 1, 0) // bk), 0
+
+    q_spec = pl.BlockSpec((None, None, rows, d), lambda bi, h, kj, *_: (bi, h, 0, 0))
+    kv_spec = pl.BlockSpec((None, None, bk, d), kv_spec_index)
+    in_specs = [q_spec, kv_spec, kv_spec]
+    if causal:
+        in_specs.append(pl.BlockSpec((None, rows, LANES), lambda bi, h, kj, *_: (bi, 0, 0)))
+
+    kernel = functools.partial(_decode_kernel, block_kv=bk, scale=scale, causal=causal,
+                               mask_length=mask_length)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(b, hkv, k.shape[2] // bk),
+            in_specs=in_specs,
+            out_specs=q_spec,
+            scratch_shapes=[pltpu.VMEM((rows, LANES), jnp.float32), pltpu.VMEM((rows, LANES), jnp.float32),
+                            pltpu.VMEM((rows, d), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_limit_bytes),
+        interpret=interpret,
+        name="mmzoo_decode_attention",
+    )(kv_len, kv_stop.astype(jnp.int32), q, k, v, *meta)

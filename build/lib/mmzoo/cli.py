@@ -1,0 +1,77 @@
+"""What every command-line entry point shares: Hydra's CLI on mmzoo's config tree, the choices a
+checkpoint implies, and the error contract (bad input: one ``error:`` line, exit status 1).
+
+An entry point is ``run(cfg)`` (a plain function, importable and testable) plus::
+
+    main = hydra_main(run, "infer")
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from omegaconf import DictConfig
+
+from mmzoo.errors import MmzooError
+
+
+def cli(fn: Callable[[DictConfig], object], cfg: DictConfig) -> None:
+    """Run ``fn(cfg)``; bad input is one ``error:`` line and exit status 1 (``debug=true``: traceback)."""
+    from mmzoo.engine import _mmzoo_error
+
+    try:
+        fn(cfg)
+    except Exception as e:  # a resolver's or a builder's MmzooError arrives wrapped by OmegaConf / Hydra
+        inner = _mmzoo_error(e)
+        if inner is None or cfg.get("debug"):
+            raise
+        print(f"error: {inner}", file=sys.stderr)
+        sys.exit(1)
+
+
+def add_checkpoint_choices(argv: list[str], config_name: str) -> list[str]:
+    """``argv`` plus the overrides the checkpoint implies (:func:`mmzoo.config.auto_overrides`: the
+    model from config.json's architectures, Llava's LM from ``text_config.model_type``), so that
+    ``--cfg job`` prints, and the run builds, the pipeline for that checkpoint. Arguments Hydra
+    cannot parse are left for Hydra to report."""
+    from hydra._internal.utils import get_args_parser  # Hydra's own argument parser
+
+    from mmzoo import config
+
+    try:
+        args = get_args_parser().parse_args(argv)
+    except SystemExit:
+        return argv
+    if args.help or args.hydra_help or args.info or args.shell_completion:
+        return argv
+    try:
+        overrides = list(args.overrides)
+        cfg = config._compose(args.config_name or config_name, overrides, args.config_dir)
+        keys = config.override_keys(overrides)
+    except Exception:  # noqa: BLE001 - a bad override or config: Hydra's own run reports it
+        return argv
+    try:
+        extra = config.auto_overrides(cfg, keys, config_dir=args.config_dir, verbose=args.cfg is None)
+    except MmzooError as e:  # the checkpoint names a component the zoo lacks
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    return extra + argv  # before any flag: argparse takes the overrides as one run
+
+
+def hydra_main(task: Callable[[DictConfig], object], config_name: str, *, config_dir=None) -> Callable[[], None]:
+    """The ``main()`` of an entry point: Hydra's CLI (overrides, ``--cfg``, ``--config-dir``,
+    ``--help``) over mmzoo's conf/, running ``task`` under :func:`cli`. ``config_dir``: a directory
+    searched too (a recipe script's own folder), as if given with ``--config-dir``."""
+    import hydra
+
+    from mmzoo.config import CONF_DIR
+
+    def main() -> None:
+        if config_dir is not None:
+            sys.argv[1:1] = ["--config-dir", str(config_dir)]
+        sys.argv[1:] = add_checkpoint_choices(sys.argv[1:], config_name)
+        hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=config_name)(
+            lambda cfg: cli(task, cfg))()
+
+    return main

@@ -1,0 +1,56 @@
+"""The safetensors file ``mmzoo.encode`` writes: embeddings, their layout (grid_thw, lengths) and what made them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from mmzoo.errors import MmzooError
+from mmzoo.files import atomic_path
+
+FORMAT = "mmzoo.embeds/1"
+TENSOR_FIELDS = ("image_embeds", "image_grid_thw", "video_embeds", "video_grid_thw", "audio_embeds", "audio_lengths")
+
+
+def fingerprint(weights: dict[str, torch.Tensor]) -> str:
+    """sha256 over the names, dtypes, shapes and bytes of the encoder and adapter weights."""
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:32]
+
+
+def write(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write atomically: a temp file in the same directory, then rename."""
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": FORMAT, **metadata})
+
+
+def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of an embeddings file, with a clear error for anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise MmzooError(f"embeds file {path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise MmzooError(f"embeds file {path} is not a safetensors file ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise MmzooError(f"embeds file {path} was not written by mmzoo.encode (format {meta.get('format')!r})")
+    unknown = sorted(set(tensors) - set(TENSOR_FIELDS))
+    if unknown:
+        raise MmzooError(f"embeds file {path} has unknown tensors {unknown}")
+    return tensors, meta
+
+
+def describe(meta: dict[str, str]) -> str:
+    return json.dumps({k: meta[k] for k in ("model", "checkpoint", "dtype") if k in meta})

@@ -1,0 +1,125 @@
+"""CLIP's vision transformer, as Llava uses it: the hidden states of a chosen layer, not the pooled output.
+
+Radford et al., 2021, "Learning Transferable Visual Models From Natural Language Supervision"
+(arXiv:2103.00020). A fixed-size image is cut into ``patch_size`` squares by a strided
+convolution; a learned class token is prepended, learned absolute positions added, and the
+sequence is normalized once (``pre_layrnorm``) before pre-LN blocks with quick-GELU MLPs. Llava
+(Liu et al., 2023, arXiv:2304.08485) feeds the projector the hidden state of one block (by
+default the second to last, ``vision_feature_layer=-2``) without the class token, so the blocks
+past the deepest selected one, and CLIP's ``post_layernorm``, are never built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from mmzoo.layers import layer_norm, vit_block
+
+
+def resolve_feature_layers(layers: int | Sequence[int], num_layers: int) -> list[int]:
+    """Hidden-state indices (0: the normalized embeddings, ``i``: after block ``i``) from Llava's
+    ``vision_feature_layer`` (an int or a list; negative counts from the end, ``-1`` = the last block).
+
+    Raises:
+        ValueError: an index outside ``[-(num_layers + 1), num_layers]``.
+    """
+    items = [layers] if isinstance(layers, int) else list(layers)
+    if not items:
+        raise ValueError("vision_feature_layer is an empty list")
+    out = []
+    for i in items:
+        if not -(num_layers + 1) <= int(i) <= num_layers:
+            raise ValueError(f"vision_feature_layer {i} is outside the {num_layers + 1} hidden states of a "
+                             f"{num_layers}-layer vision tower")
+        out.append(int(i) % (num_layers + 1))
+    return out
+
+
+class ClipVisionEncoder(nn.Module):
+    """Conv patch embedding + class token + learned positions + pre-norm + ViT blocks; returns the
+    selected hidden states, one row per image token.
+
+    Args:
+        image_size: input side in pixels (the processor resizes and crops to it).
+        patch_size: patch side in pixels.
+        in_channels: image channels.
+        embed_dim, num_heads, intermediate_dim, act: block sizes and MLP activation.
+        depth: blocks to build: the deepest selected hidden state (see :func:`resolve_feature_layers`).
+        feature_layers: hidden-state indices in ``[0, depth]`` whose features are concatenated along
+            channels (Llava: one, or several for a list ``vision_feature_layer``).
+        keep_cls: keep the class token's row (Llava's ``full`` strategy) or drop it (``default``).
+        attn_fn: the attention backend for every block.
+        norm_eps: LayerNorm epsilon.
+    """
+
+    def __init__(self, *, image_size: int, patch_size: int, in_channels: int, embed_dim: int, depth: int,
+                 num_heads: int, intermediate_dim: int, act: str, feature_layers: Sequence[int], keep_cls: bool,
+                 attn_fn, norm_eps: float = 1e-5):
+        super().__init__()
+        if image_size % patch_size:
+            raise ValueError(f"image_size={image_size} is not a multiple of patch_size={patch_size}")
+        if embed_dim % num_heads:
+            raise ValueError(f"vision embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
+        if not feature_layers or not all(0 <= i <= depth for i in feature_layers):
+            raise ValueError(f"feature_layers {list(feature_layers)} must be non-empty indices in [0, depth={depth}]")
+        self.image_size, self.patch_size = image_size, patch_size
+        self.num_patches = (image_size // patch_size) ** 2
+        self.feature_layers, self.keep_cls = list(feature_layers), keep_cls
+        self.patch_embed = nn.Conv2d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size, bias=False)
+        self.class_embedding = nn.Parameter(torch.zeros(embed_dim))
+        self.position_embedding = nn.Embedding(self.num_patches + 1, embed_dim)
+        self.pre_norm = layer_norm(embed_dim, norm_eps)
+        self.blocks = nn.ModuleList(
+            vit_block(dim=embed_dim, num_heads=num_heads, hidden_dim=intermediate_dim, act=act, attn_fn=attn_fn,
+                      layer_idx=i, norm_eps=norm_eps)
+            for i in range(depth)
+        )
+        self.embed_dim = embed_dim
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.num_patches + int(self.keep_cls)
+
+    @property
+    def out_dim(self) -> int:
+        return self.embed_dim * len(self.feature_layers)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``pixel_values [n, c, image_size, image_size]`` -> ``[n * tokens_per_image, out_dim]``
+        (image-major). Images never attend to each other, so padding images change nothing."""
+        n = pixel_values.shape[0]
+        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))  # [n, e, h, w]
+        x = x.flatten(2).transpose(1, 2)  # [n, h * w, e], row-major patches
+        cls = self.class_embedding.to(x.dtype).expand(n, 1, -1)  # [n, 1, e]
+        x = torch.cat([cls, x], dim=1) + self.position_embedding.weight  # [n, 1 + h * w, e]
+        x = self.pre_norm(x)
+        states = {0: x}
+        for i, block in enumerate(self.blocks, start=1):
+            x = block(x)
+            states[i] = x
+        start = 0 if self.keep_cls else 1
+        out = torch.cat([states[i][:, start:] for i in self.feature_layers], dim=-1)  # [n, t, e * layers]
+        return out.flatten(0, 1)  # [n * t, e * layers]
+
+
+def clip_vit(*, image_size: int, patch_size: int, embed_dim: int, num_layers: int, num_heads: int,
+             intermediate_dim: int, in_channels: int = 3, act: str = "quick_gelu", feature_layer: int | list[int] = -2,
+             select_strategy: str = "default", norm_eps: float = 1e-5, attention="sdpa") -> ClipVisionEncoder:
+    """Component builder (``conf/encoder/clip_vit.yaml``): a CLIP ViT of ``num_layers`` blocks read at
+    ``feature_layer`` (Llava's ``vision_feature_layer``; only the blocks up to the deepest one are
+    built), keeping the class token with ``select_strategy="full"`` (``"default"`` drops it)."""
+    from mmzoo.backends import resolve
+
+    if select_strategy not in ("default", "full"):
+        raise ValueError(f"select_strategy={select_strategy!r}; expected 'default' or 'full'")
+    for name, value in (("image_size", image_size), ("patch_size", patch_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}={value!r}; only square sizes (one integer) are supported")
+    layers = resolve_feature_layers(feature_layer, num_layers)
+    return ClipVisionEncoder(image_size=image_size, patch_size=patch_size, in_channels=in_channels,
+                             embed_dim=embed_dim, depth=max(layers), num_heads=num_heads,
+                             intermediate_dim=intermediate_dim, act=act, feature_layers=layers,
+                             keep_cls=select_strategy == "full", attn_fn=resolve(attention), norm_eps=norm_eps)

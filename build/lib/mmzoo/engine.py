@@ -1,0 +1,380 @@
+"""A composed config -> an :class:`Engine`: the pipeline's modules built, its weights loaded, an executor set up.
+
+:func:`build` is the one path from a config to an engine (the CLI's ``run(cfg)`` and
+:func:`load` both end there): the family node and the three components are instantiated from
+``cfg.model`` (each module with its own attention backend), composed into a
+:class:`~mmzoo.models.MultimodalLM`, loaded strictly from the checkpoint (or left at a seeded
+random init when ``weights=random``), and handed to the executor.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from mmzoo import config as _config
+from mmzoo import embeds_file
+from mmzoo.checkpoint import load_strict, read_safetensors
+from mmzoo.config import read_config
+from mmzoo.errors import MmzooError
+from mmzoo.executor import Executor
+from mmzoo.models import MultimodalLM, Tower
+from mmzoo.models._embeds import cast_note
+from mmzoo.types import DTYPES, Prepared, Request, Result
+
+COMPONENTS = ("encoder", "adapter", "lm")
+
+
+class Engine:
+    """A loaded pipeline: processor + family + modules + executor. Build one with :func:`mmzoo.load`.
+
+    Attributes:
+        cfg: the composed config it was built from (``OmegaConf.to_yaml(engine.cfg)``).
+        family: the model family (:class:`~mmzoo.models.Family`): request preparation.
+        config: the checkpoint's transformers config.
+        model: the :class:`~mmzoo.models.MultimodalLM` (the executor's: placed and laid out by it).
+    """
+
+    def __init__(self, *, cfg: DictConfig, family, config, processor, model, executor: Executor, checkpoint: Path,
+                 eos_token_ids: list[int], towers_fingerprint: str, dtype: str,
+                 allow_fingerprint_mismatch: bool = False):
+        self.cfg, self.family, self.config, self.processor = cfg, family, config, processor
+        self.model, self.executor, self.checkpoint = model, executor, checkpoint
+        self.eos_token_ids = eos_token_ids
+        self.towers_fingerprint, self.dtype = towers_fingerprint, dtype
+        self.allow_fingerprint_mismatch = allow_fingerprint_mismatch
+
+    @property
+    def name(self) -> str:
+        return self.family.name
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.lm.dim
+
+    def prepare(self, request: Request) -> Prepared:
+        """Validate and prepare one request on the host (nothing runs on the device)."""
+        if request.embeds is not None:
+            request = self._with_embeds_file(request)
+        run_dtype = DTYPES[self.dtype]
+        for name in ("image_embeds", "video_embeds", "audio_embeds", "inputs_embeds"):
+            value = getattr(request, name)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != run_dtype:
+                request = replace(request, **{name: cast_note(value, run_dtype, name)})
+        if not self.model.towers and (request.images or request.videos or request.audios):
+            raise MmzooError("this engine was loaded without its encoder towers (towers=False); raw media need them")
+        return self.family.prepare(request, self.processor, hidden_size=self.hidden_size)
+
+    def _with_embeds_file(self, request: Request) -> Request:
+        tensors, meta = embeds_file.read(request.embeds)
+        if meta.get("model") != self.name:
+            raise MmzooError(f"embeds file {request.embeds} was made by model={meta.get('model')}, not {self.name}")
+        if int(meta.get("lm_hidden_size", -1)) != self.hidden_size:
+            raise MmzooError(f"embeds file {request.embeds} has LM hidden size {meta.get('lm_hidden_size')} but this "
+                             f"LM's is {self.hidden_size}")
+        if meta.get("fingerprint") != self.towers_fingerprint:
+            msg = (f"embeds file {request.embeds} was made by encoder weights {meta.get('fingerprint')} "
+                   f"(checkpoint {meta.get('checkpoint')}), but {self.checkpoint} has {self.towers_fingerprint}")
+            if not self.allow_fingerprint_mismatch:
+                raise MmzooError(msg + "; pass allow_fingerprint_mismatch=true to use them anyway")
+            print(f"mmzoo: warning: {msg}", file=sys.stderr)
+        clash = [f for f in tensors if getattr(request, f) is not None]
+        raw = [f"{kind}s" for kind in ("image", "video", "audio")
+               if getattr(request, f"{kind}s") and f"{kind}_embeds" in tensors]
+        if clash or raw:
+            raise MmzooError(f"request gives both embeds={request.embeds} and {clash or raw} for the same inputs")
+        return replace(request, embeds=None, **tensors)
+
+    @torch.no_grad()
+    def encode(self, *, images: list | None = None, videos: list | None = None,
+               audios: list | None = None) -> dict[str, torch.Tensor]:
+        """Run only the towers: ``image_embeds`` (+ ``image_grid_thw``), ``video_embeds`` (+ grid),
+        ``audio_embeds`` (+ ``audio_lengths``, each clip's rows), the rows in placeholder order."""
+        out: dict[str, torch.Tensor] = {}
+        for kind, items in (("image", images), ("video", videos), ("audio", audios)):
+            if not items:
+                continue
+            prepared = self.prepare(Request(**{f"{kind}s": list(items)}))
+            rows = torch.cat([self.executor.encode_media(item) for item in prepared.media])  # item order = row order
+            used = prepared.mm_index[prepared.mm_index >= 0]  # the tower rows the prompt reads, in order
+            if not np.array_equal(used, np.arange(rows.shape[0])):
+                rows = rows[torch.as_tensor(used)]
+            out[f"{kind}_embeds"] = rows
+            if kind in prepared.grids:
+                out[f"{kind}_grid_thw"] = torch.as_tensor(prepared.grids[kind])
+            if kind in prepared.lengths:
+                out[f"{kind}_lengths"] = torch.as_tensor(prepared.lengths[kind])
+        return out
+
+    def embeds_metadata(self) -> dict[str, str]:
+        from mmzoo import __version__
+
+        return {"model": self.name, "fingerprint": self.towers_fingerprint,
+                "lm_hidden_size": str(self.hidden_size), "dtype": self.dtype, "mmzoo_version": __version__,
+                "checkpoint": str(self.checkpoint)}
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.processor.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def generate(self, prompt: str | Request | list[Request | dict], *, images: list | None = None,
+                 videos: list | None = None, audios: list | None = None, max_new_tokens: int = 32,
+                 ignore_eos: bool = False,
+                 on_result=None) -> Result | list[Result]:
+        """Generate for one prompt (returns a :class:`Result`) or for many requests (returns a list).
+
+        A request that fails validation gets a result with ``error`` set; the others still run.
+        """
+        single = not isinstance(prompt, list)
+        if single:
+            reqs = [prompt if isinstance(prompt, Request) else
+                    Request(prompt=prompt, images=list(images or []), videos=list(videos or []),
+                            audios=list(audios or []), max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, id=0)]
+        else:
+            reqs = [r if isinstance(r, Request) else Request(**{"id": i, **r}) for i, r in enumerate(prompt)]
+        prepared, failed = [], {}
+        for i, req in enumerate(reqs):
+            try:
+                prepared.append(self.prepare(req))
+            except MmzooError as e:
+                if single:
+                    raise
+                failed[i] = Result(id=req.id, prompt=req.prompt, error=str(e))
+                if on_result:
+                    on_result(failed[i])
+        ran = iter(self.executor.generate(prepared, decode_text=self.decode, on_result=on_result))
+        results = [failed[i] if i in failed else next(ran) for i in range(len(reqs))]
+        if single and results[0].error:
+            raise MmzooError(results[0].error)
+        return results[0] if single else results
+
+
+def _eos_ids(checkpoint: Path, config, tokenizer) -> list[int]:
+    from transformers import GenerationConfig
+
+    eos: Any = None
+    if (checkpoint / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(str(checkpoint), local_files_only=True).eos_token_id
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None) or tokenizer.eos_token_id
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+
+
+def _mmzoo_error(e: BaseException) -> MmzooError | None:
+    """The MmzooError behind a Hydra / OmegaConf wrapper (a resolver's or a builder's), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, MmzooError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def instantiate_part(node: DictConfig, where: str, **kwargs):
+    """``hydra.utils.instantiate(node)``, with bad input reported as one :class:`MmzooError` naming ``where``."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return instantiate(node, **kwargs)
+    except (InstantiationException, OmegaConfBaseException, ValueError, TypeError) as e:
+        inner = _mmzoo_error(e)
+        if inner is not None:
+            raise MmzooError(str(inner)) from None
+        cause = e.__cause__ or e
+        raise MmzooError(f"{where}: {str(cause).splitlines()[0]}") from None
+
+
+def _uses_root_attention(node: DictConfig) -> bool:
+    raw = OmegaConf.to_container(node, resolve=False)
+    return isinstance(raw, dict) and raw.get("attention") == "${attention}"
+
+
+def backends_of(module: torch.nn.Module) -> list[str]:
+    """The attention backends a module's layers use (names, in order of first use)."""
+    from mmzoo.layers import Attention
+
+    names: list[str] = []
+    for m in module.modules():
+        if isinstance(m, Attention) and m.attn_fn.name not in names:
+            names.append(m.attn_fn.name)
+    return names
+
+
+def describe(cfg: DictConfig, model: MultimodalLM) -> str:
+    """``encoder=qwen2_vl_vit(pallas) adapter=PatchMerger lm=qwen2(sdpa)``: each module's builder and backend."""
+    parts = []
+    for name in COMPONENTS:
+        module = model.lm if name == "lm" else next((getattr(t, name) for t in model.towers.values()), None)
+        if module is None:
+            continue
+        target = str(cfg.model[name].get("_target_", "?")).rsplit(".", 1)[-1]
+        backends = backends_of(module)
+        parts.append(f"{name}={target}" + (f"({','.join(backends)})" if backends else ""))
+    return " ".join(parts)
+
+
+def build_model(cfg: DictConfig, *, attention=None, towers: bool = True):
+    """``(family, MultimodalLM)`` from ``cfg.model``: the family node and the components instantiated
+    (random init, seeded by ``cfg.init_seed``), each LM/encoder with its configured backend unless
+    ``attention`` (a backend object) replaces the pipeline-wide one."""
+    mcfg = cfg.model
+    family = instantiate_part(mcfg.family, "model.family")
+    torch.manual_seed(int(cfg.get("init_seed", 0)))
+    parts = {}
+    for name in COMPONENTS:
+        if name != "lm" and not towers:
+            continue
+        node = mcfg[name]
+        kwargs = {"attention": attention} if attention is not None and _uses_root_attention(node) else {}
+        parts[name] = instantiate_part(node, f"model.{name}", **kwargs)
+    lm = parts["lm"]
+    axes = lm.rotary.num_axes
+    if family.position_axes != axes:
+        raise MmzooError(f"model.family gives {family.position_axes}-axis positions but model.lm's rotary reads {axes} "
+                         f"(an M-RoPE LM needs mrope_section; a 1-D RoPE LM a family without M-RoPE)")
+    tower = {family.tower: Tower(encoder=parts["encoder"], adapter=parts["adapter"])} if towers else {}
+    return family, MultimodalLM(lm=lm, towers=tower)
+
+
+def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, towers: bool = True,
+          allow_fingerprint_mismatch: bool | None = None, verbose: bool = False) -> Engine:
+    """An :class:`Engine` from a composed config (:func:`mmzoo.config.compose`).
+
+    Args:
+        cfg: the composed config (``infer`` or a recipe): ``checkpoint``, ``weights``, ``model``,
+            ``attention``, ``executor``, ``mesh``, ``dtype``.
+        executor: an executor object to use instead of ``cfg.executor``.
+        attention: a backend object for every module that takes the pipeline's backend.
+        towers: build and load the encoder towers; False serves precomputed embeddings and text only
+            (the tower weights are only hashed, to check embeddings files against them).
+        allow_fingerprint_mismatch: accept embeddings files made by other encoder weights (warns);
+            None: ``cfg.allow_fingerprint_mismatch``.
+    """
+    from transformers import AutoProcessor
+
+    from mmzoo.executor._sharding import mesh_option
+
+    name = cfg.model.get("name", "?")
+    checkpoint = cfg.get("checkpoint")
+    weights = cfg.get("weights", "checkpoint")
+    if weights not in ("checkpoint", "random"):
+        raise MmzooError(f"weights={weights!r}: choose checkpoint (load them) or random (a seeded random init)")
+    if checkpoint is None:
+        raise MmzooError(f"model={name} has no embedded default checkpoint: give checkpoint=DIR (its config.json, "
+                         f"tokenizer and processor{', and weights' if weights == 'checkpoint' else ''})")
+    checkpoint = Path(checkpoint)
+    hf_config, arch = read_config(checkpoint)
+    archs = list(cfg.model.get("architectures") or [])
+    if weights == "checkpoint" and archs and arch not in archs:
+        zoo = {n: list(_config._model_node(n, None).get("architectures") or []) for n in _config.options("model")}
+        if not any(arch in a for a in zoo.values()):
+            listed = ", ".join(f"{n} ({' '.join(a)})" for n, a in zoo.items())
+            raise MmzooError(f"config.json architecture {arch!r} is not supported; the zoo has {listed}")
+        raise MmzooError(f"{checkpoint}/config.json is a {arch} checkpoint, which model={name} does not support "
+                         f"(it takes {', '.join(archs)})")
+    dtype = str(cfg.get("dtype", "float32"))
+    if dtype not in DTYPES:
+        raise MmzooError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    family, model = build_model(cfg, attention=attention, towers=towers)
+    exe = executor if executor is not None else instantiate_part(cfg.executor, "executor")
+    if verbose:
+        print(f"mmzoo: model={name} {describe(cfg, model)} executor={exe.describe()} dtype={dtype}", file=sys.stderr)
+    if weights == "checkpoint":
+        state = family.convert_weights(read_safetensors(checkpoint))
+        if model.lm.tie_word_embeddings:
+            state.pop("lm.lm_head.weight", None)  # the embedding is the head
+        tower_state = {k: v for k, v in state.items() if k.startswith("towers.")}
+        fingerprint = embeds_file.fingerprint(tower_state)
+        if not towers:
+            state = {k: v for k, v in state.items() if not k.startswith("towers.")}
+        load_strict(model, state, source=str(checkpoint))
+    else:
+        fingerprint = embeds_file.fingerprint(model.towers.state_dict()) if towers else "random"
+        print(f"mmzoo: weights=random: the modules keep their seeded random init (init_seed="
+              f"{cfg.get('init_seed', 0)}); {checkpoint} gives only the config, tokenizer and processor", file=sys.stderr)
+    if hasattr(exe, "encoder_buckets"):  # towers whose rows are whole items: the executor config wins
+        for tower in model.towers:
+            sizes = family.encoder_buckets(max_model_len=exe.max_model_len, max_media_rows=exe.max_media_rows())
+            if sizes is not None:
+                exe.encoder_buckets.setdefault(tower, sorted(int(n) for n in sizes))
+    mesh = mesh_option(cfg.get("mesh"))
+    if mesh is not None and mesh.spmd:  # validated against the modules before anything is placed
+        if not hasattr(exe, "use_mesh"):
+            raise MmzooError(f"mesh {mesh} needs executor=xla; the {exe.name} executor runs on one device")
+        exe.use_mesh(mesh, model, plan=family.tp_plan)
+        if verbose:
+            print(f"mmzoo: {exe.sharding.describe()}", file=sys.stderr)
+    processor = AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True)
+    eos = _eos_ids(checkpoint, hf_config, processor.tokenizer)
+    exe.setup(model, dtype=dtype, eos_token_ids=eos)
+    if getattr(exe, "do_warmup", False):
+        secs = exe.warmup(lambda tower, rows: family.dummy_media(rows))
+        if verbose:
+            print(f"mmzoo: warmup compiled {exe.compiled_graphs()} graphs in {secs:.1f} s", file=sys.stderr)
+    if allow_fingerprint_mismatch is None:
+        allow_fingerprint_mismatch = bool(cfg.get("allow_fingerprint_mismatch", False))
+    return Engine(cfg=cfg, family=family, config=hf_config, processor=processor, model=exe.model, executor=exe,
+                  checkpoint=checkpoint, eos_token_ids=eos, towers_fingerprint=fingerprint, dtype=dtype,
+                  allow_fingerprint_mismatch=allow_fingerprint_mismatch)
+
+
+def load(checkpoint: str | Path | None = None, *, model: str | None = None, executor: str | Executor = "xla",
+         attention: str | Any = "sdpa", dtype: str = "float32", towers: bool = True,
+         allow_fingerprint_mismatch: bool = False, verbose: bool = False, mesh=None, config_dir=None,
+         overrides: list[str] | tuple = (), **executor_kwargs) -> Engine:
+    """Load a Hugging Face checkpoint directory into an :class:`Engine`.
+
+    The pipeline is composed from the same config tree as ``python -m mmzoo.infer`` (the zoo's
+    ``conf/`` plus ``config_dir``), so ``load(d, model="mine", config_dir="myconf")`` builds what
+    ``python -m mmzoo.infer --config-dir myconf model=mine checkpoint=d`` builds.
+
+    Args:
+        checkpoint: the directory (config.json, safetensors weights, tokenizer and processor files);
+            None for the model's embedded default.
+        model: a ``conf/model`` option (e.g. ``"qwen2_vl"``); None: from config.json's architectures.
+        executor: ``"xla"``, ``"eager"`` or an :class:`~mmzoo.executor.Executor`.
+        attention: ``"sdpa"``, ``"pallas"``, ``"eager"`` or a backend object, for every module that
+            takes the pipeline's backend (``overrides=["model.encoder.attention=pallas"]`` sets one).
+        dtype: ``"float32"`` or ``"bfloat16"``.
+        towers: build and load the encoder towers; False serves precomputed embeddings and text only.
+        allow_fingerprint_mismatch: accept embeddings files made by other encoder weights (warns).
+        mesh: split the model over a device mesh with torch_xla SPMD (``executor="xla"``): a
+            ``conf/mesh`` name (``"tp"``, ``"dp_tp"``), ``{"data": d, "model": m}`` or a
+            :class:`~mmzoo.executor.MeshSpec`; None or ``"single"``: one device, no SPMD.
+        config_dir: a directory (or list) of the user's own configs, searched with mmzoo's.
+        overrides: more Hydra overrides (``"model.lm.num_layers=2"``, ``"weights=random"``).
+        executor_kwargs: overrides of the executor config (``max_model_len=``, ``max_batch=``, ...).
+    """
+    from mmzoo.executor import MeshSpec
+
+    args = list(overrides)
+    if model is not None:
+        args.append(f"model={model}")
+    if isinstance(attention, str):
+        args.append(f"attention={attention}")
+    if isinstance(executor, str):
+        args.append(f"executor={executor}")
+    if isinstance(mesh, str):
+        args.append(f"mesh={mesh}")
+    values: dict[str, Any] = {"dtype": dtype}
+    if checkpoint is not None:
+        values["checkpoint"] = str(checkpoint)
+    if executor_kwargs:
+        if not isinstance(executor, str):
+            raise MmzooError(f"executor options {sorted(executor_kwargs)} need executor= a name; configure the "
+                             f"{type(executor).__name__} object itself")
+        values["executor"] = executor_kwargs
+    if mesh is not None and not isinstance(mesh, str):
+        values["mesh"] = {"data": mesh.data, "model": mesh.model} if isinstance(mesh, MeshSpec) else dict(mesh)
+    cfg = _config.compose(args, config_dir=config_dir, values=values, verbose=verbose)
+    return build(cfg, executor=None if isinstance(executor, str) else executor,
+                 attention=None if isinstance(attention, str) else attention, towers=towers,
+                 allow_fingerprint_mismatch=allow_fingerprint_mismatch, verbose=verbose)

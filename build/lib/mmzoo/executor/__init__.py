@@ -1,0 +1,15 @@
+"""Executors: own devices, padding, caches, scheduling and sampling; modules own none of it."""
+
+from mmzoo.executor._loop import Executor
+from mmzoo.executor._sharding import MeshSpec
+from mmzoo.executor.eager import EagerExecutor
+
+__all__ = ["Executor", "EagerExecutor", "XLAExecutor", "MeshSpec"]
+
+
+def __getattr__(name):
+    if name == "XLAExecutor":  # importing torch_xla is slow; only when asked for
+        from mmzoo.executor.xla import XLAExecutor
+
+        return XLAExecutor
+    raise AttributeError(name)

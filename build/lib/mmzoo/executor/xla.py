@@ -1,0 +1,349 @@
+"""The XLA executor: torch_xla on the PJRT device (TPU where present, the CPU client here).
+
+Every step runs at a padded, bucketed shape so that XLA compiles a small, fixed set of graphs,
+all of them at warmup: each tower at each input-row bucket (padding rows carry their own
+attention segment, so they change nothing), the prompt at each prefill bucket, and one decode
+step, each with greedy and sampling heads. After warmup a compile guard watches torch_xla's
+compilation counter, and each step runs as its compiled graph without being traced again
+(:mod:`mmzoo.executor._replay`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+import warnings
+from collections import deque
+
+import numpy as np
+import torch
+
+from mmzoo.buckets import doubling, pick
+from mmzoo.executor._loop import Executor, _Seq
+from mmzoo.types import Prepared, Request, TowerInput
+
+_CACHE_DIR: str | None = None
+
+
+class RecompileError(RuntimeError):
+    """A graph was compiled after warmup while ``on_recompile=error``."""
+
+
+def ensure_pjrt_device() -> str:
+    """Default ``PJRT_DEVICE`` to CPU when no TPU runtime is installed; the environment wins."""
+    if "PJRT_DEVICE" not in os.environ:
+        os.environ["PJRT_DEVICE"] = "TPU" if importlib.util.find_spec("libtpu") else "CPU"
+    return os.environ["PJRT_DEVICE"]
+
+
+class XLAExecutor(Executor):
+    """Bucketed execution on an XLA device.
+
+    Args:
+        max_model_len: KV-cache length per slot; the largest prefill bucket.
+        max_batch: decode slots.
+        prefill_buckets: padded prompt lengths; default: doubling from ``min_prefill`` to
+            ``max_model_len``, in steps of ``prefill_linear_step`` past ``prefill_linear_after``.
+        encoder_buckets: tower name -> padded input-row counts (Qwen2-VL: patches per call);
+            default: doubling from ``min_encoder_rows`` to ``max_encoder_rows``.
+        decode_kv_buckets: KV-cache lengths a decode step attends over (the smallest that holds
+            the longest active sequence), so a step with short sequences reads only the start of
+            the cache; ``max_model_len`` is always one. Default: doubling from ``min_decode_kv``,
+            or only ``max_model_len`` when every LM attention backend skips the keys past each
+            sequence's length itself (Pallas).
+        warmup: compile every graph in :meth:`warmup` when the engine is loaded.
+        on_recompile: ``error``, ``warn`` or ``ignore`` when a graph compiles after warmup.
+        compile_cache_dir: persistent XLA compilation cache (None: off).
+        progress: progress bars for warmup and generation.
+        transpose_weights: hold linear weights as ``[in, out]`` (:mod:`mmzoo.executor._layout`);
+            ``"auto"``: on the XLA CPU client without a mesh, where it removes a weight copy per step.
+        fuse_projections: stack attention's q/k/v and the gated MLP's gate/up projections into one
+            linear each (:func:`mmzoo.executor._layout.fuse_projections`); ``"auto"``: on the XLA
+            CPU client without a mesh.
+        transpose_keys: hold the KV cache's keys as ``[.., head_dim, len]``, so the decode step's
+            ``q @ k^T`` reads them in place (:class:`~mmzoo.lms.KVCache`); ``"auto"``: on the XLA
+            CPU client without a mesh, when every LM attention backend is matmul-based (sdpa,
+            eager; not Pallas, whose kernels read ``[len, head_dim]`` tiles).
+        replay_steps: after warmup, run each step (encode, prefill, decode) as its compiled graph
+            with new inputs instead of tracing it again on every call
+            (:mod:`mmzoo.executor._replay`); ``"auto"``: without a device mesh.
+    """
+
+    name = "xla"
+
+    def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, prefill_buckets: list[int] | None = None,
+                 min_prefill: int = 16, prefill_linear_after: int | None = None, prefill_linear_step: int | None = None,
+                 encoder_buckets: dict[str, list[int]] | None = None, min_encoder_rows: int = 64,
+                 max_encoder_rows: int = 16384, decode_kv_buckets: list[int] | None = None,
+                 min_decode_kv: int = 128, warmup: bool = True, on_recompile: str = "warn",
+                 compile_cache_dir: str | None = None, progress: bool = False, transpose_weights: bool | str = "auto",
+                 fuse_projections: bool | str = "auto", transpose_keys: bool | str = "auto",
+                 replay_steps: bool | str = "auto"):
+        super().__init__(max_model_len=max_model_len, max_batch=max_batch, progress=progress)
+        if on_recompile not in ("error", "warn", "ignore"):
+            raise ValueError(f"on_recompile={on_recompile!r}: choose error, warn or ignore")
+        self.prefill_buckets = (sorted(int(b) for b in prefill_buckets) if prefill_buckets else
+                                doubling(min(min_prefill, max_model_len), max_model_len,
+                                         linear_after=prefill_linear_after, step=prefill_linear_step))
+        if self.prefill_buckets[-1] > max_model_len:
+            raise ValueError(f"prefill bucket {self.prefill_buckets[-1]} exceeds max_model_len={max_model_len}")
+        self.encoder_buckets = {k: sorted(int(x) for x in v) for k, v in (encoder_buckets or {}).items()}
+        self.default_encoder_buckets = doubling(min_encoder_rows, max_encoder_rows)
+        if decode_kv_buckets is not None:
+            kv = sorted({int(x) for x in decode_kv_buckets})
+            if kv[0] <= 0 or kv[-1] > max_model_len:
+                raise ValueError(f"decode_kv_buckets={kv} must lie in [1, max_model_len={max_model_len}]")
+            self._kv_buckets = kv if kv[-1] == max_model_len else kv + [max_model_len]
+        else:
+            self._kv_buckets = None  # resolved in setup(), against the model's attention backends
+        self.min_decode_kv = min_decode_kv
+        self.decode_kv_buckets: list[int] = []
+        self.transpose_weights = _auto_or_bool("transpose_weights", transpose_weights)
+        self.fuse_projections = _auto_or_bool("fuse_projections", fuse_projections)
+        self.transpose_keys = _auto_or_bool("transpose_keys", transpose_keys)
+        self.replay_steps = _auto_or_bool("replay_steps", replay_steps)
+        self.replaying = False  # set by setup(): replay_steps resolved against the mesh
+        self._replays: dict = {}  # step key (kind and static shape) -> ReplayedStep
+        # the state tensors donated to the last two replayed steps: dropping a donated tensor waits
+        # for the step that consumed it, so they are let go only once that step is surely done
+        self._retired: deque = deque(maxlen=2)
+        self._replayed = False  # the last step was replayed: nothing is left to sync
+        self.do_warmup, self.on_recompile = warmup, on_recompile
+        self.warmup_s: float | None = None
+        self._after: int | None = None  # graphs this executor's steps compiled after warmup
+        self._seen = 0  # the process-wide compile count when the current step began
+        ensure_pjrt_device()
+        if compile_cache_dir and os.environ["PJRT_DEVICE"] != "CPU":
+            # PJRT's CPU client cannot deserialize executables, so the cache only helps on TPU/GPU.
+            _init_cache(os.path.expanduser(str(compile_cache_dir)))
+        import torch_xla
+
+        self._xla = torch_xla
+
+    def setup(self, model, *, dtype: str = "float32", eos_token_ids=()) -> None:
+        transpose = self._cpu_alone() if self.transpose_weights == "auto" else self.transpose_weights
+        fuse = self._cpu_alone() if self.fuse_projections == "auto" else self.fuse_projections
+        if transpose and self.sharding is not None:
+            raise ValueError("transpose_weights=true is not supported with a device mesh (the sharding rules "
+                             "name [out, in] weights); use auto or false")
+        if fuse and self.sharding is not None:
+            raise ValueError("fuse_projections=true is not supported with a device mesh (the sharding rules "
+                             "name the separate projections); use auto or false")
+        if self.replay_steps is True and self.sharding is not None:
+            raise ValueError("replay_steps=true is not supported with a device mesh; use auto or false")
+        from mmzoo.executor import _layout
+
+        if fuse:  # on the host, before the weights are placed (and then held transposed)
+            _layout.fuse_projections(model)
+        super().setup(model, dtype=dtype, eos_token_ids=eos_token_ids)
+        self.replaying = self.sharding is None if self.replay_steps == "auto" else bool(self.replay_steps)
+        skipping = all(getattr(b, "skips_past_length", False) for b in self._lm_backends(model))
+        self.decode_kv_buckets = self._kv_buckets or (
+            [self.max_model_len] if skipping else doubling(min(self.min_decode_kv, self.max_model_len),
+                                                           self.max_model_len))
+        if transpose:
+            _layout.hold_linears_transposed(self.model)
+            self.step_done()
+
+    def hold_keys_transposed(self, model) -> bool:
+        if self.transpose_keys is True and self.sharding is not None:
+            raise ValueError("transpose_keys=true is not supported with a device mesh (the sharding rules name "
+                             "[slots, heads, len, head_dim] keys); use auto or false")
+        if self.transpose_keys != "auto":
+            return bool(self.transpose_keys)
+        return self._cpu_alone() and all(getattr(b, "matmul_keys", False) for b in self._lm_backends(model))
+
+    def _cpu_alone(self) -> bool:
+        """On the XLA CPU client without a device mesh: where the ``auto`` layouts apply."""
+        return os.environ.get("PJRT_DEVICE") == "CPU" and self.sharding is None
+
+    @staticmethod
+    def _lm_backends(model) -> list:
+        from mmzoo.layers.attention import Attention
+
+        return [m.attn_fn for m in model.lm.modules() if isinstance(m, Attention)]
+
+    # -- steps: traced once, then replayed ----------------------------------------------------
+    def _state(self, name: str) -> list[torch.Tensor]:
+        return self.cache.k + self.cache.v if name == "cache" else [self.media]
+
+    def _hold(self, name: str, tensors: list[torch.Tensor]) -> None:
+        if name == "cache":
+            n = len(self.cache.k)
+            self.cache.k[:], self.cache.v[:] = tensors[:n], tensors[n:]
+        else:
+            (self.media,) = tensors
+
+    def run_step(self, key, fn, inputs, state):
+        if not self.replaying:
+            return super().run_step(key, fn, inputs, state)
+        self.step_begin()
+        step = self._replays.get(key)
+        if step is None:  # the first call at this shape (warmup): trace and compile it
+            from mmzoo.executor._replay import ReplayedStep
+
+            def traced(ins, tensors):  # fn on the state copies ReplayedStep traces with
+                real = self._state(state)
+                self._hold(state, tensors)
+                try:
+                    return fn(*ins)
+                finally:
+                    self._hold(state, real)
+
+            step = self._replays[key] = ReplayedStep(traced, inputs, self._state(state))
+        old = self._state(state)
+        outputs, new = step(inputs, old)
+        self._retired.append(old)
+        self._hold(state, new)
+        self._replayed = True
+        return outputs
+
+    # -- shapes ----------------------------------------------------------------------------
+    def device(self) -> torch.device:
+        return self._xla.device()
+
+    def tower_buckets(self, tower: str) -> list[int]:
+        return self.encoder_buckets.get(tower, self.default_encoder_buckets)
+
+    def prefill_len(self, n: int) -> int:
+        return pick(self.prefill_buckets, n, "prompt length (tokens)")
+
+    def encoder_rows(self, tower: str, n: int) -> int:
+        return pick(self.tower_buckets(tower), n, f"{tower} encoder input rows")
+
+    def decode_kv_len(self, n: int) -> int:
+        return pick(self.decode_kv_buckets, n, "decode KV-cache length (tokens)")
+
+    def max_media_rows(self) -> int:
+        largest = max([self.default_encoder_buckets[-1]] + [b[-1] for b in self.encoder_buckets.values()])
+        return self.max_model_len + largest
+
+    # -- compile accounting ----------------------------------------------------------------
+    @staticmethod
+    def compiled_graphs() -> int:
+        """Graphs XLA has compiled in this process so far."""
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")
+        return int(data[0]) if data else 0
+
+    def graphs_since_warmup(self) -> int | None:
+        """Graphs this executor's own steps compiled after its warmup (None before it). torch_xla's
+        counter is process-wide, so compiles between this executor's steps (another engine's
+        warmup, say) are not counted."""
+        return self._after
+
+    def step_begin(self) -> None:
+        if self._after is not None:
+            self._seen = self.compiled_graphs()
+
+    def step_done(self) -> None:
+        if not self._replayed:  # a replayed step is already running: a sync would only wait for it
+            self._xla.sync()
+        self._replayed = False
+        if self._after is None:
+            return
+        count = self.compiled_graphs()
+        if count > self._seen:
+            new, self._seen = count - self._seen, count
+            self._after += new
+            msg = (f"mmzoo: {new} XLA graph(s) compiled after warmup ({self._after} in all): "
+                   f"a shape outside the warmed-up buckets")
+            if self.on_recompile == "error":
+                raise RecompileError(msg)
+            if self.on_recompile == "warn":
+                warnings.warn(msg, stacklevel=2)
+
+    def describe(self) -> str:
+        # the device count, not torch_xla.device(): asking for the device would fix the process to
+        # non-SPMD before a mesh can be set up (infer prints this before loading)
+        import torch_xla.runtime as xr
+
+        n = xr.global_runtime_device_count()
+        mesh = f", {self.sharding.describe()}" if self.sharding is not None else ""
+        return f"xla (PJRT_DEVICE={os.environ.get('PJRT_DEVICE')}, {n} device{'s' if n > 1 else ''}{mesh})"
+
+    # -- sharding over a device mesh (torch_xla SPMD: mmzoo/executor/_sharding.py) --------------
+    sharding = None  # a DeviceMesh after use_mesh()
+
+    def use_mesh(self, mesh, model, plan=None) -> None:
+        """Split ``model`` (built, not yet placed) over ``mesh`` (a :class:`MeshSpec`): validates the
+        mesh against the model's heads, ``max_batch`` and the devices, then turns SPMD on. Call
+        before :meth:`setup`, which then annotates the weights and the KV cache."""
+        from mmzoo.executor._sharding import DeviceMesh, ShardingPlan
+
+        if self.model is not None:
+            raise RuntimeError("use_mesh() must come before setup()")
+        self.sharding = DeviceMesh(ShardingPlan(mesh, model, max_batch=self.max_batch))
+
+    def shard(self) -> None:
+        if self.sharding is not None:
+            self.sharding.place(self.model, self.cache)
+
+    # -- warmup ----------------------------------------------------------------------------
+    def warmup(self, dummy_media=None) -> float:
+        """Compile every graph: each tower at each bucket, prefill at each bucket, decode at each
+        KV-cache length bucket; greedy and sampling heads. ``dummy_media(tower, rows)`` gives a
+        :class:`TowerInput` of that many rows.
+        Returns the seconds taken; afterwards the compile guard is armed."""
+        t0 = time.perf_counter()
+        towers = list(self.model.towers) if dummy_media is not None else []
+        plan = [("encode", t, r) for t in towers for r in self.tower_buckets(t)]
+        plan += [("embeds", None, r) for r in self.default_encoder_buckets]  # precomputed-embeds writes
+        plan += [("prefill", None, s) for s in self.prefill_buckets]
+        plan += [("decode", None, kv) for kv in self.decode_kv_buckets]
+        steps = plan
+        if self.progress:
+            from tqdm import tqdm
+
+            steps = tqdm(plan, desc="mmzoo warmup", unit="graph", leave=False, disable=None)
+        for kind, tower, size in steps:
+            if kind in ("encode", "embeds"):
+                item = (dummy_media(tower, size) if kind == "encode" else
+                        TowerInput(tower="embeds", inputs={}, num_embeds=size,
+                                   embeds=torch.zeros(size, self.model.lm.dim)))
+                self.encode_into_buffer(item, 0)
+                self.step_done()
+                continue
+            for temperature in (0.0, 1.0):
+                req = Request(max_new_tokens=1, temperature=temperature, seed=0)
+                ids = np.zeros(size if kind == "prefill" else 1, np.int64)
+                axes = self.model.lm.rotary.num_axes
+                p = Prepared(request=req, input_ids=ids, positions=np.zeros((axes, len(ids)), np.int64),
+                             position_delta=0, mm_index=np.full(len(ids), -1, np.int64))
+                # a decode step of a sequence filling its kv bucket (prefill: an empty slot)
+                length = size - 1 if kind == "decode" else 0
+                seq = _Seq(prepared=p, result=None, slot=0, length=length, index=0, rng=np.random.default_rng(0))
+                out = self.prefill(seq) if kind == "prefill" else self.decode({0: seq})
+                self.step_done()
+                out.cpu()
+        self.warmup_s = time.perf_counter() - t0
+        self._seen, self._after = self.compiled_graphs(), 0
+        return self.warmup_s
+
+
+def _auto_or_bool(name: str, value):
+    """``value`` of the option ``name`` if it is ``"auto"``, True or False; else a clear error."""
+    if value not in ("auto", True, False):
+        raise ValueError(f"{name}={value!r}: choose auto, true or false")
+    return value
+
+
+def _init_cache(path: str) -> None:
+    """torch_xla's persistent compilation cache; must precede the first computation, once per process."""
+    global _CACHE_DIR
+    if _CACHE_DIR is not None:
+        if _CACHE_DIR != path:
+            print(f"mmzoo: XLA compilation cache already at {_CACHE_DIR}; ignoring {path}", file=sys.stderr)
+        return
+    import torch_xla.runtime as xr
+
+    os.makedirs(path, exist_ok=True)
+    try:
+        xr.initialize_cache(path, readonly=False)
+    except RuntimeError as e:  # a computation already ran in this process
+        print(f"mmzoo: XLA compilation cache not enabled ({e})", file=sys.stderr)
+        return
+    _CACHE_DIR = path

@@ -1,0 +1,85 @@
+"""Multi-head self-attention with an injected backend, optional rotary and an optional KV cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmzoo.layers.linear import stack_linears
+from mmzoo.layers.rotary import apply_rotary
+
+
+class Attention(nn.Module):
+    """Self-attention used by every tower and decoder in mmzoo.
+
+    Projections are separate ``q_proj / k_proj / v_proj / o_proj`` (checkpoints with a fused qkv
+    are split when loaded); :meth:`fuse_projections` can stack q/k/v into one ``qkv_proj`` after
+    loading. The backend (``attn_fn``) is fixed at construction.
+
+    Args:
+        dim: model width.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (``< num_heads`` for grouped-query attention).
+        head_dim: channels per head.
+        attn_fn: an :mod:`mmzoo.backends` backend.
+        causal: whether queries see only earlier keys.
+        qkv_bias: bias on the q/k/v projections.
+        out_bias: bias on the output projection.
+        layer_idx: index of this layer in its stack (selects its slot in a KV cache).
+    """
+
+    def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, attn_fn,
+                 causal: bool, qkv_bias: bool, out_bias: bool, layer_idx: int = 0):
+        super().__init__()
+        attn_fn.check_shape(head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.causal = causal
+        self.layer_idx = layer_idx
+        self.attn_fn = attn_fn
+        self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=out_bias)
+        self.qkv_proj = None  # set by fuse_projections()
+
+    def fuse_projections(self) -> None:
+        """Replace ``q_proj / k_proj / v_proj`` by one ``qkv_proj`` holding their weights (and
+        biases) stacked in that order: one matrix product instead of three, computing the same
+        dot products. A layout for executors (XLA's CPU backend reads one wide matrix faster than
+        three narrow ones); checkpoints load into the separate projections, so fuse after loading."""
+        if self.qkv_proj is not None:
+            return
+        fused = stack_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+        self.qkv_proj = fused
+
+    def forward(self, x: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache=None, attn_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+        """``x [b, s, dim]`` -> ``[b, s, dim]``.
+
+        Args:
+            rope: ``(cos, sin)`` from :class:`mmzoo.layers.rotary.Rotary`, or None.
+            cache: an object with ``update(layer_idx, k, v) -> (k, v)`` that stores the new keys
+                and values and returns the ones to attend to (see :mod:`mmzoo.lms.kv_cache`).
+            attn_kwargs: masking arguments passed through to the backend
+                (``q_segment_ids``, ``kv_segment_ids``, ``q_positions``, ``kv_lengths``).
+        """
+        b, s, _ = x.shape
+        if self.qkv_proj is not None:
+            hq, hkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([hq, hkv, hkv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [b, hq, s, d]
+        k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [b, hkv, s, d]
+        v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        out = self.attn_fn(q, k, v, scale=self.scale, causal=self.causal, **(attn_kwargs or {}))
+        out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # [b, s, hq * d]
+        return self.o_proj(out)

@@ -1,0 +1,42 @@
+"""The one pre-norm transformer block shared by ViT towers, audio towers and LLM decoders."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmzoo.layers.attention import Attention
+from mmzoo.layers.mlp import MLP
+from mmzoo.layers.norm import layer_norm
+
+
+class TransformerBlock(nn.Module):
+    """``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``.
+
+    The sub-modules are injected, so a CLIP/Qwen2-VL ViT block (LayerNorm, MLP, bidirectional
+    attention) and a Llama/Qwen2 decoder layer (RMSNorm, gated MLP, causal attention with a KV
+    cache) are the same class.
+    """
+
+    def __init__(self, *, attn: nn.Module, mlp: nn.Module, norm1: nn.Module, norm2: nn.Module):
+        super().__init__()
+        self.norm1, self.attn, self.norm2, self.mlp = norm1, attn, norm2, mlp
+
+    def forward(self, x: torch.Tensor, *, rope=None, cache=None, attn_kwargs=None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope=rope, cache=cache, attn_kwargs=attn_kwargs)
+        return x + self.mlp(self.norm2(x))
+
+
+def vit_block(*, dim: int, num_heads: int, hidden_dim: int, act: str, attn_fn, layer_idx: int,
+              norm_eps: float) -> TransformerBlock:
+    """The encoder block of CLIP, Qwen2-VL's ViT and Whisper: LayerNorm, bidirectional attention
+    with q/k/v and output biases, a two-layer MLP."""
+    if dim % num_heads:
+        raise ValueError(f"embed_dim={dim} is not divisible by num_heads={num_heads}")
+    return TransformerBlock(
+        attn=Attention(dim=dim, num_heads=num_heads, num_kv_heads=num_heads, head_dim=dim // num_heads,
+                       attn_fn=attn_fn, causal=False, qkv_bias=True, out_bias=True, layer_idx=layer_idx),
+        mlp=MLP(dim=dim, hidden_dim=hidden_dim, act=act),
+        norm1=layer_norm(dim, norm_eps),
+        norm2=layer_norm(dim, norm_eps),
+    )

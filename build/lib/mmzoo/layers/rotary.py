@@ -1,0 +1,90 @@
+"""Rotary position embeddings: one module for 1-D RoPE, Qwen2-VL's M-RoPE and 2-D vision RoPE.
+
+RoPE (Su et al., 2021, "RoFormer") rotates pairs of channels by ``position * inv_freq``.
+The variants differ only in which position axis drives each frequency:
+
+* 1-D RoPE (Llama, Qwen2): every frequency reads axis 0.
+* M-RoPE (Qwen2-VL, Wang et al., 2024): frequencies are split into sections that read the
+  temporal, height and width axes in turn (``mrope_section``).
+* 2-D vision RoPE (Qwen2-VL's ViT): the first half of the frequencies reads the patch row,
+  the second half the patch column, each half with its own frequency ladder.
+
+So the module holds a per-frequency table ``(inv_freq[f], axis[f])`` and computes
+``angle[b, s, f] = positions[axis[f], b, s] * inv_freq[f]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _ladder(dim: int, theta: float) -> torch.Tensor:
+    """``1 / theta^(2i/dim)`` for ``i < dim/2``: the usual RoPE frequencies for ``dim`` channels."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+class Rotary(nn.Module):
+    """Cos/sin tables for rotary embeddings from multi-axis positions.
+
+    Args:
+        inv_freq: ``[F]`` frequencies; the rotated head dim is ``2 * F``.
+        axes: ``[F]`` which position axis drives each frequency.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, axes: torch.Tensor):
+        super().__init__()
+        if inv_freq.shape != axes.shape or inv_freq.dim() != 1:
+            raise ValueError(f"inv_freq {tuple(inv_freq.shape)} and axes {tuple(axes.shape)} must be equal 1-D")
+        self.num_axes = int(axes.max()) + 1
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.register_buffer("axes", axes.long(), persistent=False)
+
+    @property
+    def head_dim(self) -> int:
+        return 2 * self.inv_freq.shape[0]
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(cos, sin)``, each ``[b, s, head_dim]`` float32, from ``positions [axes, b, s]``."""
+        if positions.dim() != 3 or positions.shape[0] != self.num_axes:
+            raise ValueError(f"positions must be [{self.num_axes}, b, s], got {tuple(positions.shape)}")
+        pos = positions.float()[self.axes]  # [F, b, s]
+        angles = pos.permute(1, 2, 0) * self.inv_freq  # [b, s, F]
+        emb = torch.cat((angles, angles), dim=-1)  # [b, s, 2F]
+        return emb.cos(), emb.sin()
+
+
+def rope_1d(head_dim: int, theta: float) -> Rotary:
+    """Plain RoPE over one position axis (Llama, Qwen2)."""
+    inv = _ladder(head_dim, theta)
+    return Rotary(inv, torch.zeros_like(inv, dtype=torch.long))
+
+
+def mrope(head_dim: int, theta: float, sections: list[int]) -> Rotary:
+    """Qwen2-VL's multimodal RoPE: ``sections`` frequencies each for the t, h and w axes."""
+    if sum(sections) != head_dim // 2:
+        raise ValueError(f"mrope_section {list(sections)} sums to {sum(sections)}, expected head_dim/2 = {head_dim // 2}")
+    inv = _ladder(head_dim, theta)
+    axes = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(sections)])
+    return Rotary(inv, axes)
+
+
+def rope_2d(head_dim: int, theta: float) -> Rotary:
+    """2-D RoPE for ViT patches: half the frequencies follow the row, half the column."""
+    if head_dim % 4:
+        raise ValueError(f"2-D rotary needs head_dim divisible by 4, got {head_dim}")
+    inv = _ladder(head_dim // 2, theta)  # [head_dim / 4]
+    axes = torch.cat([torch.zeros_like(inv, dtype=torch.long), torch.ones_like(inv, dtype=torch.long)])
+    return Rotary(torch.cat([inv, inv]), axes)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [b, h, s, d]`` by ``cos, sin [b, s, d]`` (computed in float32, returned in x's dtype)."""
+    xf = x.float()
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [b, 1, s, d]
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)

@@ -1,0 +1,119 @@
+"""Decoder-only language model: token embedding, pre-norm blocks with RoPE, final norm, LM head.
+
+One class serves Qwen2 (qkv bias, M-RoPE or 1-D RoPE) and Llama (no bias, 1-D RoPE); the
+differences are constructor arguments. The rotary module is injected.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmzoo.layers import Attention, GatedMLP, RMSNorm, Rotary, TransformerBlock
+
+
+class DecoderLM(nn.Module):
+    """A causal decoder LM.
+
+    Args:
+        vocab_size, dim, num_layers, num_heads, num_kv_heads, head_dim, intermediate_dim: sizes.
+        rotary: the rotary module (:func:`mmzoo.layers.rope_1d` or :func:`mmzoo.layers.mrope`).
+        attn_fn: the attention backend for every layer.
+        qkv_bias: bias on q/k/v (Qwen2: True; Llama: False).
+        norm_eps: RMSNorm epsilon.
+        act: MLP activation.
+        tie_word_embeddings: share the LM head with the token embedding.
+    """
+
+    def __init__(self, *, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, intermediate_dim: int, rotary: Rotary, attn_fn, qkv_bias: bool,
+                 norm_eps: float, act: str = "silu", tie_word_embeddings: bool = False):
+        super().__init__()
+        if rotary.head_dim != head_dim:
+            raise ValueError(f"rotary covers {rotary.head_dim} channels but head_dim={head_dim}")
+        self.dim, self.num_layers, self.num_kv_heads, self.head_dim = dim, num_layers, num_kv_heads, head_dim
+        self.embed_tokens = nn.Embedding(vocab_size, dim)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(
+            TransformerBlock(
+                attn=Attention(dim=dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                               attn_fn=attn_fn, causal=True, qkv_bias=qkv_bias, out_bias=False, layer_idx=i),
+                mlp=GatedMLP(dim=dim, hidden_dim=intermediate_dim, act=act),
+                norm1=RMSNorm(dim, norm_eps),
+                norm2=RMSNorm(dim, norm_eps),
+            )
+            for i in range(num_layers)
+        )
+        self.norm = RMSNorm(dim, norm_eps)
+        self.lm_head = nn.Linear(dim, vocab_size, bias=False)
+        self.tie_word_embeddings = tie_word_embeddings
+        if tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_tokens.num_embeddings
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, *, cache=None,
+                attn_kwargs=None, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the decoder and return logits.
+
+        Args:
+            inputs_embeds: ``[b, s, dim]`` (token embeddings, possibly merged with media embeddings).
+            positions: ``[axes, b, s]`` rotary positions (1 axis for RoPE, 3 for M-RoPE).
+            cache: a KV-cache view (see :mod:`mmzoo.lms.kv_cache`) or None.
+            attn_kwargs: masking arguments for the backend (``q_positions``, ``kv_lengths``, ...).
+            logits_index: ``[b]`` the one position per row to compute logits at, or None for all.
+
+        Returns:
+            ``[b, s, vocab]`` logits, or ``[b, vocab]`` with ``logits_index``.
+        """
+        rope = self.rotary(positions)
+        x = inputs_embeds
+        for layer in self.layers:
+            x = layer(x, rope=rope, cache=cache, attn_kwargs=attn_kwargs)
+        if logits_index is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_index]  # [b, dim]
+        return self.lm_head(self.norm(x)).float()
+
+
+# ---------------------------------------------------------------- component builders (conf/lm/*.yaml)
+
+def _plain_rope(rope_type: str) -> None:
+    if rope_type != "default":
+        raise ValueError(f"rope_type={rope_type!r} is not supported (only plain RoPE)")
+
+
+def qwen2(*, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_dim: int,
+          head_dim: int | None = None, rope_theta: float = 1e6, mrope_section: list[int] | None = None,
+          rope_type: str = "default", norm_eps: float = 1e-6, act: str = "silu", tie_word_embeddings: bool = False,
+          sliding_window: bool = False, attention="sdpa") -> DecoderLM:
+    """The Qwen2 decoder (q/k/v bias, RMSNorm, SwiGLU): 1-D RoPE, or Qwen2-VL's M-RoPE when
+    ``mrope_section`` (frequencies per t/h/w axis) is given."""
+    from mmzoo.backends import resolve
+    from mmzoo.layers import mrope, rope_1d
+
+    _plain_rope(rope_type)
+    if sliding_window:
+        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    head_dim = head_dim or dim // num_heads
+    rotary = mrope(head_dim, rope_theta, list(mrope_section)) if mrope_section else rope_1d(head_dim, rope_theta)
+    return DecoderLM(vocab_size=vocab_size, dim=dim, num_layers=num_layers, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_dim=intermediate_dim, rotary=rotary,
+                     attn_fn=resolve(attention), qkv_bias=True, norm_eps=norm_eps, act=act,
+                     tie_word_embeddings=tie_word_embeddings)
+
+
+def llama(*, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_dim: int,
+          head_dim: int | None = None, rope_theta: float = 10000.0, rope_type: str = "default", norm_eps: float = 1e-5,
+          act: str = "silu", tie_word_embeddings: bool = False, attention="sdpa") -> DecoderLM:
+    """The Llama decoder: no q/k/v bias, RMSNorm, SwiGLU, 1-D RoPE."""
+    from mmzoo.backends import resolve
+    from mmzoo.layers import rope_1d
+
+    _plain_rope(rope_type)  # a checkpoint with attention/MLP biases fails strict loading (unexpected tensors)
+    head_dim = head_dim or dim // num_heads
+    return DecoderLM(vocab_size=vocab_size, dim=dim, num_layers=num_layers, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_dim=intermediate_dim,
+                     rotary=rope_1d(head_dim, rope_theta), attn_fn=resolve(attention), qkv_bias=False,
+                     norm_eps=norm_eps, act=act, tie_word_embeddings=tie_word_embeddings)

@@ -1,0 +1,105 @@
+"""A preallocated, slot-based KV cache written in place (gpt-fast style, with vLLM-like slots).
+
+The cache holds ``[num_slots, kv_heads, max_len, head_dim]`` keys and values per layer. A slot
+holds one sequence; writing at explicit positions keeps every shape static, so one compiled
+graph serves every step. Attention layers see a *view* with ``update(layer_idx, k, v)``:
+
+* :class:`PrefillView` writes a prompt's keys into its slot and lets the prompt attend to itself.
+* :class:`DecodeView` writes one (or a few) new tokens per slot and attends over the first
+  ``kv_len`` positions of every row (the whole row by default); the causal rule with
+  ``q_positions`` hides everything past each sequence's length. An executor that knows no
+  sequence is longer than ``kv_len`` passes it, so attention reads only that part of the cache.
+
+With ``keys_transposed`` the keys are held as ``[num_slots, kv_heads, head_dim, max_len]``. An
+attention that multiplies ``q @ k^T`` then finds ``k^T`` already in memory: XLA's CPU dot wants
+that operand row-major, so with the usual layout it copied every cached key of every layer on
+every decode step (the executor chooses this layout; attention still sees ``[b, h, s, d]``
+keys, as a transposed view).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values for ``num_slots`` sequences of up to ``max_len`` tokens."""
+
+    def __init__(self, *, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", keys_transposed: bool = False):
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        kshape = (num_slots, num_kv_heads, head_dim, max_len) if keys_transposed else shape
+        self.k = [torch.zeros(kshape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots, self.max_len, self.keys_transposed = num_slots, max_len, keys_transposed
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """The keys of ``layer`` as ``[num_slots, kv_heads, max_len, head_dim]`` (a view when held transposed)."""
+        return self.k[layer].transpose(-1, -2) if self.keys_transposed else self.k[layer]
+
+    @staticmethod
+    def write_index(slots: torch.Tensor, positions: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, ...]:
+        """``(slot, head, position)`` indices ``[b, hkv, s]`` for writing ``[b, hkv, s, d]`` keys.
+
+        Every leading axis gets an index, so the scatter runs in the cache's own layout (indexing
+        with a slice in the middle would move the advanced axes first: XLA then copies the whole
+        cache into that layout and back on every step)."""
+        b, s = positions.shape
+        shape = (b, num_heads, s)
+        heads = torch.arange(num_heads, device=positions.device).view(1, num_heads, 1)
+        return slots.view(b, 1, 1).expand(shape), heads.expand(shape), positions.view(b, 1, s).expand(shape)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, index: tuple[torch.Tensor, ...]):
+        # k, v: [b, hkv, s, d] -> cache[slot, h, pos] = k[:, h]
+        if self.keys_transposed:  # cache[slot, h, :, pos] = k[:, h], every axis indexed (see write_index)
+            shape = k.shape
+            dims = torch.arange(shape[-1], device=k.device).view(1, 1, 1, shape[-1]).expand(shape)
+            slot, head, pos = (i.unsqueeze(-1).expand(shape) for i in index)
+            self.k[layer].index_put_((slot, head, dims, pos), k)
+        else:
+            self.k[layer].index_put_(index, k)
+        self.v[layer].index_put_(index, v)
+
+    def prefill(self, slots: torch.Tensor, positions: torch.Tensor) -> "PrefillView":
+        """A view writing ``[b, s]`` prompt positions into ``slots [b]``."""
+        return PrefillView(self, slots, positions)
+
+    def decode(self, positions: torch.Tensor, kv_len: int | None = None) -> "DecodeView":
+        """A view writing ``positions [num_slots, s]`` into every slot (one row per slot) and
+        attending over the first ``kv_len`` cache positions (None: all ``max_len``); every write
+        position must be below ``kv_len``."""
+        return DecodeView(self, positions, kv_len)
+
+
+class PrefillView:
+    """Write a fresh prompt into its slots; attention uses the prompt's own keys."""
+
+    def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor):
+        self.cache, self.slots, self.positions = cache, slots, positions
+        self._index = None  # built by the first layer, reused by the others
+
+    def index(self, num_heads: int) -> tuple[torch.Tensor, ...]:
+        if self._index is None:
+            self._index = KVCache.write_index(self.slots, self.positions, num_heads)
+        return self._index
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        self.cache._write(layer, k, v, self.index(k.shape[1]))
+        return k, v
+
+
+class DecodeView(PrefillView):
+    """Write new tokens of every slot and attend over the first ``kv_len`` positions of the cache."""
+
+    def __init__(self, cache: KVCache, positions: torch.Tensor, kv_len: int | None = None):
+        super().__init__(cache, torch.arange(cache.num_slots, device=positions.device), positions)
+        if kv_len is not None and not 0 < kv_len <= cache.max_len:
+            raise ValueError(f"kv_len={kv_len} must be in [1, max_len={cache.max_len}]")
+        self.kv_len = kv_len
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        self.cache._write(layer, k, v, self.index(k.shape[1]))
+        keys, values = self.cache.keys(layer), self.cache.v[layer]
+        if self.kv_len is None or self.kv_len == self.cache.max_len:
+            return keys, values
+        return keys[:, :, : self.kv_len], values[:, :, : self.kv_len]

@@ -1,0 +1,60 @@
+"""Validation of precomputed embeddings where they enter: each error names the field and the numbers."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmzoo.errors import MmzooError
+
+
+def as_embeds(value: Any, field: str, *, hidden: int) -> torch.Tensor:
+    """``[rows, hidden]`` from a 2-D tensor/array or a list of 2-D ones (concatenated in order)."""
+    parts = value if isinstance(value, (list, tuple)) else [value]
+    tensors = []
+    for i, part in enumerate(parts):
+        name = f"{field}[{i}]" if isinstance(value, (list, tuple)) else field
+        try:
+            t = torch.as_tensor(np.asarray(part) if not isinstance(part, torch.Tensor) else part)
+        except (TypeError, ValueError) as e:
+            raise MmzooError(f"{name} is not a numeric array ({e})") from None
+        if t.dim() != 2:
+            raise MmzooError(f"{name} must be 2-D [rows, hidden], got shape {list(t.shape)}")
+        if not t.is_floating_point():
+            raise MmzooError(f"{name} must be floating point, got {t.dtype}")
+        if t.shape[1] != hidden:
+            raise MmzooError(f"{name} has hidden size {t.shape[1]} but the LM's hidden size is {hidden}")
+        tensors.append(t)
+    if not tensors:
+        raise MmzooError(f"{field} is empty")
+    return tensors[0] if len(tensors) == 1 else torch.cat([t.to(tensors[0].dtype) for t in tensors])
+
+
+def as_grid(value: Any, field: str) -> np.ndarray:
+    """``[num_items, 3]`` positive integers."""
+    try:
+        g = np.asarray(value.cpu() if isinstance(value, torch.Tensor) else value)
+    except (TypeError, ValueError) as e:
+        raise MmzooError(f"{field} is not an integer array ({e})") from None
+    if g.ndim == 1 and g.shape == (3,):
+        g = g[None]
+    if g.ndim != 2 or g.shape[1] != 3:
+        raise MmzooError(f"{field} must be [num_items, 3] (t, h, w), got shape {list(g.shape)}")
+    if g.size and (g.dtype.kind not in "iu" and not np.all(np.equal(np.mod(g, 1), 0))):
+        raise MmzooError(f"{field} must hold integers, got {g.dtype}")
+    g = g.astype(np.int64)
+    if g.size and g.min() <= 0:
+        raise MmzooError(f"{field} entries must be positive, got {g.tolist()}")
+    return g
+
+
+def cast_note(t: torch.Tensor, dtype: torch.dtype, field: str) -> torch.Tensor:
+    """Cast to the run dtype, saying so."""
+    if t.dtype != dtype:
+        print(f"mmzoo: note: {field} is {str(t.dtype).replace('torch.', '')}; cast to "
+              f"{str(dtype).replace('torch.', '')}", file=sys.stderr)
+        t = t.to(dtype)
+    return t

@@ -1,0 +1,68 @@
+"""Prompt helpers of the family template (:mod:`mmzoo.models.family`): chat-template rendering with
+placeholder expansion, token-prompt placeholder runs, ``inputs_embeds`` prompts."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mmzoo.errors import MmzooError
+from mmzoo.models._embeds import as_embeds
+from mmzoo.types import Prepared, Request, TowerInput
+
+
+def expand_runs(ids: np.ndarray, token: int, counts: list[int], *, what: str, note: str = "") -> np.ndarray:
+    """Token ids with the ``i``-th run of ``token`` resized to ``counts[i]`` tokens.
+
+    Already-expanded ids pass through; otherwise each run (one placeholder per item, as in
+    vLLM's token prompts) becomes its item's count.
+    """
+    where = np.flatnonzero(ids == token)
+    runs = np.split(where, np.flatnonzero(np.diff(where) != 1) + 1) if len(where) else []
+    if len(runs) == len(counts) and all(len(r) == n for r, n in zip(runs, counts)):
+        return ids
+    if len(runs) != len(counts):
+        raise MmzooError(f"prompt_token_ids has {len(runs)} {what} placeholder runs (token id {token}) but "
+                         f"{len(counts)} {what}s are given{note}")
+    out, last = [], 0
+    for run, n in zip(runs, counts):
+        out += [ids[last:run[0]], np.full(n, token, np.int64)]
+        last = run[-1] + 1
+    return np.concatenate(out + [ids[last:]])
+
+
+def render_prompt(processor, request: Request, kinds: list[str], placeholders: dict[str, tuple[str, list[int]]]):
+    """The chat template's one user turn (the items of ``kinds`` in order, then the text), with each
+    item's placeholder expanded to its count; returns the token ids.
+
+    ``placeholders`` maps a kind to ``(placeholder text, per-item counts)``; a prompt that already
+    holds a placeholder string is refused, since the items could no longer be told apart.
+    """
+    content = [{"type": kind} for kind in kinds for _ in placeholders[kind][1]]
+    content.append({"type": "text", "text": request.prompt})
+    for kind in kinds:
+        pad = placeholders[kind][0]
+        if pad in request.prompt:
+            raise MmzooError(f"prompt contains the {kind} placeholder {pad!r}; the chat template adds one per "
+                             f"{kind} given in {kind}s (or use prompt_token_ids)")
+    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    for kind in kinds:
+        pad, counts = placeholders[kind]
+        pieces = text.split(pad)
+        if len(pieces) - 1 != len(counts):
+            raise MmzooError(f"the chat template rendered {len(pieces) - 1} {pad!r} placeholders for "
+                             f"{len(counts)} {kind}s")
+        text = pieces[0] + "".join(pad * n + rest for n, rest in zip(counts, pieces[1:]))
+    return np.asarray(processor.tokenizer(text)["input_ids"], dtype=np.int64)
+
+
+def prepare_inputs_embeds(request: Request, *, hidden: int, position_axes: int = 1) -> Prepared:
+    """``inputs_embeds`` replaces the whole prompt: positions ``0..s-1`` on each rotary axis."""
+    if request.images or request.videos or request.audios or any(
+            getattr(request, f) is not None for f in ("image_embeds", "video_embeds", "audio_embeds")):
+        raise MmzooError("inputs_embeds replaces the whole prompt; do not also give images, videos, audios or *_embeds")
+    emb = as_embeds(request.inputs_embeds, "inputs_embeds", hidden=hidden)
+    s = emb.shape[0]
+    return Prepared(request=request, input_ids=np.zeros(s, np.int64), positions=np.tile(np.arange(s), (position_axes, 1)),
+                    position_delta=0, mm_index=np.arange(s),
+                    media=[TowerInput(tower="inputs_embeds", inputs={}, num_embeds=s, embeds=emb)])

@@ -1,0 +1,220 @@
+"""The contract of a model family: what it adds to its encoder, adapter and LM.
+
+A family is its conf file (``conf/model/<name>.yaml``: the three components, their sizes from the
+checkpoint, and a ``family`` node) plus a :class:`Family` subclass holding only what is its own:
+
+* which media it takes (:attr:`Family.modalities`, an allow-list; every other input is refused
+  by name) and the tower they go through (:attr:`Family.tower`);
+* how raw media become tower inputs and how many placeholder tokens each item fills
+  (:meth:`Family.raw_media`), and how precomputed embeddings are counted (:meth:`Family.precomputed`);
+* the position scheme (:meth:`Family.positions`; 1-D unless overridden);
+* its checkpoint's tensor names (:meth:`Family.convert_weights`);
+* zero inputs for compiling the tower at a bucket (:meth:`Family.dummy_media`) and, where a
+  tower's input rows are whole items, those buckets (:meth:`Family.encoder_buckets`);
+* its tensor-parallel plan (:attr:`Family.tp_plan`, parameter-name patterns).
+
+:meth:`Family.prepare` is the shared template every request goes through: refuse foreign inputs,
+prepare each modality (raw or precomputed), tokenize (chat template, or the caller's token ids)
+with each placeholder expanded to its item's count, map placeholders to embedding rows, and
+compute positions. vLLM's ``SupportsMultiModal`` plays the same role there.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from mmzoo.errors import MmzooError
+from mmzoo.models._prompt import expand_runs, prepare_inputs_embeds, render_prompt
+from mmzoo.types import Prepared, Request, TowerInput
+
+# request fields per modality: the raw media, precomputed embeddings, and the embeddings' layout
+MEDIA_FIELDS = {"image": ("images", "image_embeds", "image_grid_thw"),
+                "video": ("videos", "video_embeds", "video_grid_thw"),
+                "audio": ("audios", "audio_embeds", "audio_lengths")}
+_ALL_MEDIA = {f for group in MEDIA_FIELDS.values() for f in group}
+TEXT_FIELDS = frozenset(f.name for f in fields(Request)) - _ALL_MEDIA  # what every family takes
+
+# Tensor parallelism by parameter name (fnmatch patterns over the composition's names, first
+# match wins), Megatron-LM's split: "colwise" splits a [out, in] weight's rows (and its bias),
+# "rowwise" its columns (bias replicated), "vocab" the embedding / LM head rows; "colwise_kv" is
+# colwise when the kv heads divide the model axis, else replicated (vLLM's kv-head replication).
+# Anything unmatched is replicated.
+TP_PLAN = {
+    "*.attn.q_proj.*": "colwise",
+    "*.attn.k_proj.*": "colwise_kv",
+    "*.attn.v_proj.*": "colwise_kv",
+    "*.attn.o_proj.*": "rowwise",
+    "*.mlp.gate_proj.*": "colwise",
+    "*.mlp.up_proj.*": "colwise",
+    "*.mlp.down_proj.*": "rowwise",
+    "*.mlp.fc1.*": "colwise",
+    "*.mlp.fc2.*": "rowwise",
+    "towers.*.adapter.fc1.*": "colwise",   # Llava's projector (the shared MLP)
+    "towers.*.adapter.fc2.*": "rowwise",
+    "towers.*.adapter.mlp.0.*": "colwise",  # Qwen2-VL's patch merger
+    "towers.*.adapter.mlp.2.*": "rowwise",
+    "lm.embed_tokens.weight": "vocab",
+    "lm.lm_head.weight": "vocab",
+}
+
+
+@dataclass
+class Media:
+    """One modality of one request, ready for the tower.
+
+    Attributes:
+        counts: placeholder tokens per item, in prompt order.
+        calls: the tower calls (or precomputed embeddings) giving the items' rows, in order.
+        rows: ``[sum(counts)]`` the row of the calls' concatenated output that each placeholder
+            token reads; None: rows ``0 .. sum(counts) - 1``.
+        grid: ``[items, 3]`` (t, h, w) patches per item, for families that position by it.
+    """
+
+    counts: list[int]
+    calls: list[TowerInput]
+    rows: np.ndarray | None = None
+    grid: np.ndarray | None = None
+
+
+class Family:
+    """Base of the model families (see the module docstring).
+
+    Args:
+        name: the conf option name (``qwen2_vl``), used in messages and embeddings files.
+    """
+
+    tower: ClassVar[str] = "vision"
+    modalities: ClassVar[tuple[str, ...]] = ()
+    tp_plan: ClassVar[dict[str, str]] = TP_PLAN
+
+    def __init__(self, *, name: str):
+        self.name = name
+
+    # -- what a family defines -------------------------------------------------------------
+    @property
+    def position_axes(self) -> int:
+        """Rotary position axes its LM reads (1; 3 for M-RoPE)."""
+        return 1
+
+    def placeholder(self, kind: str, processor) -> tuple[str, int]:
+        """The placeholder text the chat template renders for one ``kind`` item and its token id."""
+        return getattr(processor, f"{kind}_token"), int(getattr(self, f"{kind}_token_id"))
+
+    def raw_media(self, kind: str, items: list, processor) -> Media:
+        """Raw ``kind`` items (paths, arrays) -> tower inputs and placeholder counts; raise
+        :class:`MmzooError` naming the item for anything unreadable."""
+        raise NotImplementedError
+
+    def precomputed(self, kind: str, embeds: Any, layout: Any, hidden_size: int) -> Media:
+        """``{kind}_embeds`` (and its layout field, ``*_grid_thw`` / ``*_lengths``, or None) ->
+        placeholder counts and one precomputed-embeddings call."""
+        raise NotImplementedError
+
+    def positions(self, input_ids: np.ndarray, media: dict[str, Media]) -> tuple[np.ndarray, int]:
+        """``([axes, s] rotary positions, delta)``; cache index ``i`` decodes at ``i + delta``."""
+        return np.arange(len(input_ids), dtype=np.int64)[None], 0
+
+    def convert_weights(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors under the composition's names (``towers.<tower>.encoder.*``,
+        ``towers.<tower>.adapter.*``, ``lm.*``); anything left unmapped is reported by the strict loader."""
+        raise NotImplementedError
+
+    def dummy_media(self, rows: int) -> TowerInput:
+        """Zero tower inputs of ``rows`` input rows, for compiling the tower at that bucket."""
+        raise NotImplementedError
+
+    def encoder_buckets(self, *, max_model_len: int, max_media_rows: int) -> list[int] | None:
+        """XLA buckets of the tower's input rows when its rows are whole items (images, clips);
+        None: the executor's defaults (packed patches)."""
+        return None
+
+    # -- the shared template -------------------------------------------------------------------
+    def accepts(self) -> frozenset[str]:
+        """The request fields this family takes."""
+        return TEXT_FIELDS | {f for kind in self.modalities for f in MEDIA_FIELDS[kind]}
+
+    def refuse(self, request: Request) -> None:
+        given = [f.name for f in fields(Request) if f.name not in self.accepts() and _given(getattr(request, f.name))]
+        if given:
+            raise MmzooError(f"model={self.name} does not take {', '.join(given)}")
+
+    def prepare(self, request: Request, processor, *, hidden_size: int) -> Prepared:
+        """One request -> token ids, positions, the placeholder -> embedding-row map and the tower
+        calls, all on the host. ``hidden_size`` is the LM's width (precomputed embeddings must match)."""
+        self.refuse(request)
+        if request.inputs_embeds is not None:
+            return prepare_inputs_embeds(request, hidden=hidden_size, position_axes=self.position_axes)
+        media: dict[str, Media] = {}
+        for kind in self.modalities:
+            raw_field, emb_field, layout_field = MEDIA_FIELDS[kind]
+            raw, emb, layout = (getattr(request, f) for f in MEDIA_FIELDS[kind])
+            if emb is not None:
+                if raw:
+                    raise MmzooError(f"give {raw_field} or {emb_field}, not both")
+                media[kind] = self.precomputed(kind, emb, layout, hidden_size)
+            elif layout is not None:
+                raise MmzooError(f"{layout_field} given without {emb_field}")
+            elif raw:
+                if isinstance(raw, (str, bytes)):
+                    raise MmzooError(f"{raw_field} must be a list, got the string {raw!r}")
+                media[kind] = self.raw_media(kind, list(raw), processor)
+        counts = {kind: media[kind].counts if kind in media else [] for kind in self.modalities}
+        tokens = {kind: self.placeholder(kind, processor) for kind in self.modalities}
+        if request.prompt_token_ids is not None:
+            input_ids = np.asarray(request.prompt_token_ids, dtype=np.int64)
+            for kind in self.modalities:
+                note = " (grid_thw rows)" if MEDIA_FIELDS[kind][2].endswith("grid_thw") else ""
+                input_ids = expand_runs(input_ids, tokens[kind][1], counts[kind], what=kind, note=note)
+        else:
+            input_ids = render_prompt(processor, request, list(self.modalities),
+                                      {kind: (tokens[kind][0], counts[kind]) for kind in self.modalities})
+        mm_index = np.full(len(input_ids), -1, dtype=np.int64)
+        calls: list[TowerInput] = []
+        offset = 0
+        for kind in self.modalities:
+            want = sum(counts[kind])
+            where = np.flatnonzero(input_ids == tokens[kind][1])
+            if len(where) != want:
+                raise MmzooError(f"prompt has {len(where)} {kind} placeholder tokens but the {len(counts[kind])} "
+                                 f"{kind}s give {want} ({counts[kind]})")
+            if kind not in media:
+                continue
+            item = media[kind]
+            mm_index[where] = offset + (item.rows if item.rows is not None else np.arange(want))
+            offset += sum(call.num_embeds for call in item.calls)
+            calls += item.calls
+        positions, delta = self.positions(input_ids, media)
+        grids = {k: m.grid for k, m in media.items() if m.grid is not None}
+        lengths = {k: np.asarray(m.counts, np.int64) for k, m in media.items()
+                   if MEDIA_FIELDS[k][2].endswith("_lengths")}
+        return Prepared(request=request, input_ids=input_ids, positions=positions, position_delta=delta,
+                        mm_index=mm_index, media=calls, grids=grids, lengths=lengths)
+
+
+def _given(value) -> bool:
+    return value is not None and not (isinstance(value, (list, tuple)) and not value)
+
+
+# ---------------------------------------------------------------- weight names shared by families
+
+_LM_RENAMES = [(r"\.self_attn\.", ".attn."), (r"\.input_layernorm\.", ".norm1."),
+               (r"\.post_attention_layernorm\.", ".norm2.")]
+
+
+def lm_key(key: str) -> str | None:
+    """The composition's name for a language-model key of a ``*ForConditionalGeneration`` checkpoint
+    (transformers 5's ``model.language_model.* / lm_head.*`` or the hub's ``language_model.model.* /
+    language_model.lm_head.*``), or None if it is not one."""
+    for prefix, repl in (("model.language_model.", "lm."), ("language_model.model.", "lm."),
+                         ("language_model.lm_head.", "lm.lm_head."), ("lm_head.", "lm.lm_head.")):
+        if key.startswith(prefix):
+            new = repl + key[len(prefix):]
+            for pattern, sub in _LM_RENAMES:
+                new = re.sub(pattern, sub, new)
+            return new
+    return None

@@ -305,26 +305,26 @@ def decode_breakdown(engine, steps: int) -> dict:
     import torch_xla
     import torch_xla.debug.metrics as met
 
-    from mmzoo.executor._loop import _Seq  # the executor's sequence record, as its warmup uses it
-    from mmzoo.types import Request
+    from mmzoo.executor.scheduler import Sequence
+    from mmzoo.types import Request, Result
 
     exe = engine.executor
     prepared = engine.prepare(Request(prompt="profile", max_new_tokens=steps + 1, ignore_eos=True))
-    seq = _Seq(prepared=prepared, result=None, slot=0, length=len(prepared.input_ids), index=0,
-               rng=np.random.default_rng(0))
+    seq = Sequence(prepared=prepared, result=Result(id=0, prompt="profile"), index=0, rng=np.random.default_rng(0),
+                   slot=0, length=len(prepared.input_ids))
 
     def timer(name):
         d = met.metric_data(name)
         return (d[0], d[1]) if d else (0, 0)
 
     names = ("LazyTracing", "ExecuteTime", "TransferToDeviceTime", "TransferFromDeviceTime", "CompileTime")
-    exe.decode({0: seq}).cpu()  # one untimed step
+    exe.decode(exe.decode_inputs({0: seq})).cpu()  # one untimed step
     torch_xla.sync()
     before = {n: timer(n) for n in names}
     trace, sync, wait = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        out = exe.decode({0: seq})
+        out = exe.decode(exe.decode_inputs({0: seq}))
         t1 = time.perf_counter()
         exe.step_done()  # the executor's own sync: none after a replayed step
         t2 = time.perf_counter()

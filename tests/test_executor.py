@@ -55,14 +55,14 @@ def test_decode_attends_over_the_smallest_cache_bucket_holding_the_batch(xla_eng
     sequence, and the tokens equal eager's (which always reads the whole cache)."""
     exe = xla_engine.executor
     assert exe.decode_kv_buckets == [32, 64, 128]
-    picked, decode = [], exe.decode
+    picked, decode_inputs = [], exe.decode_inputs
 
     def recording(active, *args, **kwargs):
-        longest = max(seq.length for seq in active.values()) + 1
-        picked.append((longest, exe.decode_kv_len(longest)))
-        return decode(active, *args, **kwargs)
+        inputs = decode_inputs(active, *args, **kwargs)
+        picked.append((max(seq.length for seq in active.values()) + 1, inputs.kv_len))
+        return inputs
 
-    monkeypatch.setattr(exe, "decode", recording)
+    monkeypatch.setattr(exe, "decode_inputs", recording)
     greedy = [dict(r, temperature=0.0, max_new_tokens=12) for r in workload(image_files)]
     assert [r.token_ids for r in xla_engine.generate(greedy)] == [r.token_ids for r in eager_engine.generate(greedy)]
     assert len({kv for _, kv in picked}) >= 2, picked  # sequences grew across a bucket boundary
@@ -204,6 +204,23 @@ def test_projections_fused_on_xla_cpu(xla_engine, qwen2_vl_ckpt, image_files):
     assert [r.token_ids for r in xla_engine.generate(reqs)] == [r.token_ids for r in separate.generate(reqs)]
     with pytest.raises(ValueError, match="fuse_projections"):
         mmzoo.executor.XLAExecutor(fuse_projections="yes")
+
+
+def test_executor_leaves_the_callers_module_as_it_was(qwen2_vl_ckpt, image_files):
+    """setup() lays out and places its own copy: the module a research script built keeps its
+    separate projections, its [out, in] weights, its state_dict and its device; and it still runs."""
+    from mmzoo.engine import build_model
+    from mmzoo.executor.xla import XLAExecutor
+
+    cfg = mmzoo.compose(values={"checkpoint": str(qwen2_vl_ckpt)})
+    _, model = build_model(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    exe = XLAExecutor(max_model_len=64, max_batch=1, warmup=False, prefill_buckets=[64], progress=False)
+    exe.setup(model)
+    assert exe.model is not model and exe.model.lm.layers[0].attn.qkv_proj is not None  # fused, in its copy
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert model.lm.layers[0].attn.qkv_proj is None and all(p.device.type == "cpu" for p in model.parameters())
 
 
 def test_fused_projections_compute_the_separate_ones():

@@ -7,16 +7,20 @@ partitioner splits every compiled graph over the devices and inserts the collect
 program is the same one as on a single device (one process per host, one virtual device).
 
 A mesh has two named axes, ``data`` and ``model`` (``conf/mesh/``: ``single``, ``tp``,
-``dp_tp``). The rules, by module role (Megatron-LM's split, Shoeybi et al., 2019):
+``dp_tp``). Which parameter splits how is a plan of parameter-name patterns, declared by the
+family (:attr:`mmzoo.models.Family.tp_plan`, default :data:`mmzoo.models.TP_PLAN`; the style of
+transformers' ``tp_plan``), in Megatron-LM's split (Shoeybi et al., 2019):
 
-* attention ``q_proj``/``k_proj``/``v_proj``, gated-MLP ``gate_proj``/``up_proj``, MLP ``fc1``,
-  the patch merger's first linear: **column-parallel**, weight ``[out, in]`` -> ``('model', None)``,
-  bias ``('model',)``: each shard computes whole heads (or a slice of the MLP width);
-* attention ``o_proj``, ``down_proj``, ``fc2``, the merger's second linear: **row-parallel**,
-  ``(None, 'model')``, bias replicated: partial sums, all-reduced by GSPMD;
-* the LM's token embedding and ``lm_head``: **over the vocabulary**, ``('model', None)``;
-* everything else (norms, conv stems, patch/position/class embeddings, the audio projector):
-  replicated;
+* ``colwise`` (attention q/k/v, gate/up, MLP ``fc1``, the merger's first linear): weight
+  ``[out, in]`` -> ``('model', None)``, bias ``('model',)``: each shard computes whole heads (or a
+  slice of the MLP width);
+* ``rowwise`` (``o_proj``, ``down_proj``, ``fc2``, the merger's second linear): ``(None, 'model')``,
+  bias replicated: partial sums, all-reduced by GSPMD;
+* ``vocab`` (the LM's token embedding and ``lm_head``): ``('model', None)``;
+* anything unmatched (norms, conv stems, patch/position/class embeddings, the audio projector):
+  replicated. Annotations never change the numbers (GSPMD inserts whatever collectives the split
+  needs), so a plan is a performance choice; fused projections (``qkv_proj``, ``gate_up_proj``)
+  are split column-wise like their parts;
 * KV cache ``[slots, kv_heads, len, head_dim]`` -> ``('data', 'model', None, None)``. The decode
   step's small inputs (``[slots, ...]`` token ids, positions) are sent whole; GSPMD propagates
   the cache's split back onto the step, so each data shard computes only its own slots (seen in
@@ -31,7 +35,7 @@ Rules that need a word:
   holds every kv head; vLLM replicates kv heads the same way), query heads are still split.
   Any other mismatch of heads and ``model`` is an error at load.
 * **Pallas** kernels are opaque to GSPMD, so the backend is handed this mesh
-  (``PallasAttention.partitioned``) and runs each kernel once per shard on its local heads (and
+  (``PallasAttention.with_mesh``) and runs each kernel once per shard on its local heads (and
   local batch in decode): ``enable_manual_sharding`` -> kernel on the local shapes ->
   ``disable_manual_sharding``, the pattern of torch_xla's own SPMD ``flash_attention``, which
   gets ``partition_spec``/``mesh`` where it is used (TPU). When kv heads are replicated the
@@ -49,6 +53,7 @@ on, so a process that never asks for a mesh behaves exactly as before.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -58,7 +63,7 @@ import torch
 from mmzoo.errors import MmzooError
 
 DATA, MODEL, REPLICA = "data", "model", "replica"
-COLUMN, ROW, VOCAB = (MODEL, None), (None, MODEL), (MODEL, None)
+ROW = (None, MODEL)
 
 
 @dataclass(frozen=True)
@@ -113,15 +118,14 @@ def mesh_option(mesh) -> MeshSpec | None:
 
 # -------------------------------------------------------------------------------- the plan
 
-def _linear(out: dict, linear, kind: tuple) -> None:
-    out[id(linear.weight)] = kind
-    if linear.bias is not None:
-        out[id(linear.bias)] = (MODEL,) if kind == COLUMN else (None,)
+_STYLES = ("colwise", "colwise_kv", "rowwise", "vocab", "replicate")
 
 
 class ShardingPlan:
-    """The partition spec of every parameter of ``model`` on ``mesh``, validated (host only: no
-    device is touched, so a bad mesh fails before SPMD is switched on).
+    """The partition spec of every parameter of ``model`` on ``mesh``, from a tensor-parallel plan of
+    parameter-name patterns (a family's :attr:`~mmzoo.models.Family.tp_plan`; default
+    :data:`mmzoo.models.TP_PLAN`), validated on the host (no device is touched, so a bad mesh fails
+    before SPMD is switched on).
 
     Attributes:
         specs: parameter name -> partition spec (a tuple of ``'model'``/``None`` per dim).
@@ -132,49 +136,43 @@ class ShardingPlan:
             or ``max_batch`` not a multiple of ``data``.
     """
 
-    def __init__(self, mesh: MeshSpec, model: torch.nn.Module, *, max_batch: int):
-        from mmzoo.adapters import PatchMerger
-        from mmzoo.layers import MLP, Attention, GatedMLP
-        from mmzoo.lms import DecoderLM
+    def __init__(self, mesh: MeshSpec, model: torch.nn.Module, *, max_batch: int, rules: Mapping | None = None):
+        from mmzoo.models.family import TP_PLAN
 
         self.mesh, m = mesh, mesh.model
+        self.rules = dict(TP_PLAN if rules is None else rules)
+        bad = sorted({v for v in self.rules.values() if v not in _STYLES})
+        if bad:
+            raise MmzooError(f"tp_plan: unknown styles {bad}; choose from {list(_STYLES)}")
         if max_batch % mesh.data:
             raise MmzooError(f"executor.max_batch={max_batch} is not a multiple of mesh.data={mesh.data}: "
                              f"the decode slots are split over the data axis")
-        by_id: dict[int, tuple] = {}
-        self.kv_sharded = True
+        self.kv_split: dict[str, bool] = {}  # attention module -> its kv heads split over model
         for name, mod in model.named_modules():
-            if isinstance(mod, Attention):
-                where = name.rsplit(".attn", 1)[0] if ".attn" in name else name
-                if mod.num_heads % m:
-                    raise MmzooError(f"mesh.model={m} does not divide num_heads={mod.num_heads} of {where} "
-                                     f"(attention heads are split over the model axis)")
-                kv_split = mod.num_kv_heads % m == 0
-                if not kv_split and m % mod.num_kv_heads:
-                    raise MmzooError(f"mesh.model={m} and num_kv_heads={mod.num_kv_heads} of {where}: neither "
-                                     f"divides the other (kv heads are split over the model axis, or replicated "
-                                     f"when fewer than it)")
-                if name.startswith("lm.") and not kv_split:
-                    self.kv_sharded = False
-                _linear(by_id, mod.q_proj, COLUMN)
-                for proj in (mod.k_proj, mod.v_proj):
-                    if kv_split:
-                        _linear(by_id, proj, COLUMN)
-                _linear(by_id, mod.o_proj, ROW)
-            elif isinstance(mod, GatedMLP):
-                _linear(by_id, mod.gate_proj, COLUMN)
-                _linear(by_id, mod.up_proj, COLUMN)
-                _linear(by_id, mod.down_proj, ROW)
-            elif isinstance(mod, MLP):
-                _linear(by_id, mod.fc1, COLUMN)
-                _linear(by_id, mod.fc2, ROW)
-            elif isinstance(mod, PatchMerger):
-                _linear(by_id, mod.mlp[0], COLUMN)
-                _linear(by_id, mod.mlp[2], ROW)
-            elif isinstance(mod, DecoderLM):
-                by_id[id(mod.embed_tokens.weight)] = VOCAB
-                by_id[id(mod.lm_head.weight)] = VOCAB  # the same tensor when tied: the same spec
-        self.specs = {name: by_id.get(id(p), (None,) * p.dim()) for name, p in model.named_parameters()}
+            heads, kv = getattr(mod, "num_heads", None), getattr(mod, "num_kv_heads", None)
+            if not isinstance(heads, int) or not isinstance(kv, int):
+                continue  # not an attention layer
+            where = name.rsplit(".attn", 1)[0] if ".attn" in name else name
+            if heads % m:
+                raise MmzooError(f"mesh.model={m} does not divide num_heads={heads} of {where} "
+                                 f"(attention heads are split over the model axis)")
+            if kv % m and m % kv:
+                raise MmzooError(f"mesh.model={m} and num_kv_heads={kv} of {where}: neither divides the other "
+                                 f"(kv heads are split over the model axis, or replicated when fewer than it)")
+            self.kv_split[name] = kv % m == 0
+        self.kv_sharded = all(split for name, split in self.kv_split.items() if name.startswith("lm."))
+        self.specs = {name: self.spec(name, p) for name, p in model.named_parameters()}
+
+    def spec(self, name: str, param: torch.Tensor) -> tuple:
+        """The partition spec of the parameter ``name`` (the first matching rule; unmatched: replicated)."""
+        style = next((s for pattern, s in self.rules.items() if fnmatch.fnmatchcase(name, pattern)), "replicate")
+        if style == "colwise_kv":
+            style = "colwise" if self.kv_split.get(name.rsplit(".", 2)[0], True) else "replicate"
+        if style == "replicate" or param.dim() not in (1, 2):
+            return (None,) * param.dim()
+        if style == "rowwise":
+            return ROW if param.dim() == 2 else (None,)
+        return (MODEL, None) if param.dim() == 2 else (MODEL,)  # colwise; vocab: rows of the table
 
     def cache_spec(self) -> tuple:
         """``[slots, kv_heads, len, head_dim]``."""
@@ -234,21 +232,23 @@ class DeviceMesh:
         self._xs.mark_sharding(t, self.mesh, tuple(spec))
 
     def place(self, model: torch.nn.Module, cache) -> None:
-        """Annotate the parameters and the KV cache (before they first materialize) and hand the
-        Pallas backends this mesh."""
+        """Annotate the parameters (by the plan's patterns, so fused projections are covered too)
+        and the KV cache, before they first materialize; give every attention layer its backend
+        built for this mesh (:meth:`~mmzoo.backends.AttentionBackend.with_mesh`). ``model`` is the
+        executor's own copy."""
         for name, p in model.named_parameters():
-            self.mark(p, self.plan.specs[name])
+            self.mark(p, self.plan.spec(name, p))
         for t in list(cache.k) + list(cache.v):
             self.mark(t, self.plan.cache_spec())
         from mmzoo.layers import Attention
 
-        partitioned = {}
+        built = {}
         for mod in model.modules():
-            fn = getattr(mod, "attn_fn", None)
-            if isinstance(mod, Attention) and hasattr(fn, "partitioned"):
-                if id(fn) not in partitioned:
-                    partitioned[id(fn)] = fn.partitioned(self)
-                mod.attn_fn = partitioned[id(fn)]
+            if isinstance(mod, Attention):
+                fn = mod.attn_fn
+                if id(fn) not in built:
+                    built[id(fn)] = fn.with_mesh(self)
+                mod.attn_fn = built[id(fn)]
 
     def sharding_spec(self, t: torch.Tensor) -> str:
         """torch_xla's sharding of ``t`` (HLO text, e.g. ``{devices=[4,1]0,1,2,3}``)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmzoo.executor._loop import Executor
+from mmzoo.executor.base import Executor
 
 
 class EagerExecutor(Executor):

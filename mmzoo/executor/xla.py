@@ -17,12 +17,10 @@ import time
 import warnings
 from collections import deque
 
-import numpy as np
 import torch
 
 from mmzoo.buckets import doubling, pick
-from mmzoo.executor._loop import Executor, _Seq
-from mmzoo.types import Prepared, Request, TowerInput
+from mmzoo.executor.base import Executor
 
 _CACHE_DIR: str | None = None
 
@@ -122,30 +120,32 @@ class XLAExecutor(Executor):
 
         self._xla = torch_xla
 
-    def setup(self, model, *, dtype: str = "float32", eos_token_ids=()) -> None:
+    def setup(self, model, *, dtype: str = "float32", eos_token_ids=(), take_ownership: bool = False) -> None:
         transpose = self._cpu_alone() if self.transpose_weights == "auto" else self.transpose_weights
-        fuse = self._cpu_alone() if self.fuse_projections == "auto" else self.fuse_projections
         if transpose and self.sharding is not None:
             raise ValueError("transpose_weights=true is not supported with a device mesh (the sharding rules "
                              "name [out, in] weights); use auto or false")
-        if fuse and self.sharding is not None:
-            raise ValueError("fuse_projections=true is not supported with a device mesh (the sharding rules "
-                             "name the separate projections); use auto or false")
         if self.replay_steps is True and self.sharding is not None:
             raise ValueError("replay_steps=true is not supported with a device mesh; use auto or false")
         from mmzoo.executor import _layout
 
-        if fuse:  # on the host, before the weights are placed (and then held transposed)
-            _layout.fuse_projections(model)
-        super().setup(model, dtype=dtype, eos_token_ids=eos_token_ids)
+        super().setup(model, dtype=dtype, eos_token_ids=eos_token_ids, take_ownership=take_ownership)
         self.replaying = self.sharding is None if self.replay_steps == "auto" else bool(self.replay_steps)
-        skipping = all(getattr(b, "skips_past_length", False) for b in self._lm_backends(model))
+        skipping = all(getattr(b, "skips_past_length", False) for b in self._lm_backends(self.model))
         self.decode_kv_buckets = self._kv_buckets or (
             [self.max_model_len] if skipping else doubling(min(self.min_decode_kv, self.max_model_len),
                                                            self.max_model_len))
         if transpose:
             _layout.hold_linears_transposed(self.model)
             self.step_done()
+
+    def prepare_model(self, model) -> None:
+        """Stack q/k/v and gate/up into one linear each (``fuse_projections``), on the host copy
+        before it is placed (and then held transposed)."""
+        from mmzoo.executor import _layout
+
+        if self._cpu_alone() if self.fuse_projections == "auto" else self.fuse_projections:
+            _layout.fuse_projections(model)
 
     def hold_keys_transposed(self, model) -> bool:
         if self.transpose_keys is True and self.sharding is not None:
@@ -269,14 +269,15 @@ class XLAExecutor(Executor):
     sharding = None  # a DeviceMesh after use_mesh()
 
     def use_mesh(self, mesh, model, plan=None) -> None:
-        """Split ``model`` (built, not yet placed) over ``mesh`` (a :class:`MeshSpec`): validates the
-        mesh against the model's heads, ``max_batch`` and the devices, then turns SPMD on. Call
-        before :meth:`setup`, which then annotates the weights and the KV cache."""
+        """Split ``model`` (built, not yet placed) over ``mesh`` (a :class:`MeshSpec`) by ``plan``
+        (parameter-name patterns -> styles; None: :data:`mmzoo.models.TP_PLAN`): validates the mesh
+        against the model's heads, ``max_batch`` and the devices, then turns SPMD on. Call before
+        :meth:`setup`, which then annotates the weights and the KV cache."""
         from mmzoo.executor._sharding import DeviceMesh, ShardingPlan
 
         if self.model is not None:
             raise RuntimeError("use_mesh() must come before setup()")
-        self.sharding = DeviceMesh(ShardingPlan(mesh, model, max_batch=self.max_batch))
+        self.sharding = DeviceMesh(ShardingPlan(mesh, model, max_batch=self.max_batch, rules=plan))
 
     def shard(self) -> None:
         if self.sharding is not None:
@@ -284,41 +285,14 @@ class XLAExecutor(Executor):
 
     # -- warmup ----------------------------------------------------------------------------
     def warmup(self, dummy_media=None) -> float:
-        """Compile every graph: each tower at each bucket, prefill at each bucket, decode at each
-        KV-cache length bucket; greedy and sampling heads. ``dummy_media(tower, rows)`` gives a
-        :class:`TowerInput` of that many rows.
-        Returns the seconds taken; afterwards the compile guard is armed."""
+        """Compile every graph (:mod:`mmzoo.executor.warmup`); ``dummy_media(tower, rows)`` gives a
+        :class:`TowerInput` of that many rows (None: the towers are not compiled). Returns the
+        seconds taken; afterwards the compile guard is armed."""
+        from mmzoo.executor import warmup
+
         t0 = time.perf_counter()
         towers = list(self.model.towers) if dummy_media is not None else []
-        plan = [("encode", t, r) for t in towers for r in self.tower_buckets(t)]
-        plan += [("embeds", None, r) for r in self.default_encoder_buckets]  # precomputed-embeds writes
-        plan += [("prefill", None, s) for s in self.prefill_buckets]
-        plan += [("decode", None, kv) for kv in self.decode_kv_buckets]
-        steps = plan
-        if self.progress:
-            from tqdm import tqdm
-
-            steps = tqdm(plan, desc="mmzoo warmup", unit="graph", leave=False, disable=None)
-        for kind, tower, size in steps:
-            if kind in ("encode", "embeds"):
-                item = (dummy_media(tower, size) if kind == "encode" else
-                        TowerInput(tower="embeds", inputs={}, num_embeds=size,
-                                   embeds=torch.zeros(size, self.model.lm.dim)))
-                self.encode_into_buffer(item, 0)
-                self.step_done()
-                continue
-            for temperature in (0.0, 1.0):
-                req = Request(max_new_tokens=1, temperature=temperature, seed=0)
-                ids = np.zeros(size if kind == "prefill" else 1, np.int64)
-                axes = self.model.lm.rotary.num_axes
-                p = Prepared(request=req, input_ids=ids, positions=np.zeros((axes, len(ids)), np.int64),
-                             position_delta=0, mm_index=np.full(len(ids), -1, np.int64))
-                # a decode step of a sequence filling its kv bucket (prefill: an empty slot)
-                length = size - 1 if kind == "decode" else 0
-                seq = _Seq(prepared=p, result=None, slot=0, length=length, index=0, rng=np.random.default_rng(0))
-                out = self.prefill(seq) if kind == "prefill" else self.decode({0: seq})
-                self.step_done()
-                out.cpu()
+        warmup.run(self, warmup.plan(self, towers), dummy_media, progress=self.progress)
         self.warmup_s = time.perf_counter() - t0
         self._seen, self._after = self.compiled_graphs(), 0
         return self.warmup_s

@@ -300,22 +300,19 @@ def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, 
         fingerprint = embeds_file.fingerprint(model.towers.state_dict()) if towers else "random"
         print(f"mmzoo: weights=random: the modules keep their seeded random init (init_seed="
               f"{cfg.get('init_seed', 0)}); {checkpoint} gives only the config, tokenizer and processor", file=sys.stderr)
-    if hasattr(exe, "encoder_buckets"):  # towers whose rows are whole items: the executor config wins
-        for tower in model.towers:
-            sizes = family.encoder_buckets(max_model_len=exe.max_model_len, max_media_rows=exe.max_media_rows())
-            if sizes is not None:
-                exe.encoder_buckets.setdefault(tower, sorted(int(n) for n in sizes))
+    for tower in model.towers:  # towers whose rows are whole items: the executor config wins
+        sizes = family.encoder_buckets(max_model_len=exe.max_model_len, max_media_rows=exe.max_media_rows())
+        if sizes is not None:
+            exe.encoder_buckets.setdefault(tower, sorted(int(n) for n in sizes))
     mesh = mesh_option(cfg.get("mesh"))
     if mesh is not None and mesh.spmd:  # validated against the modules before anything is placed
-        if not hasattr(exe, "use_mesh"):
-            raise MmzooError(f"mesh {mesh} needs executor=xla; the {exe.name} executor runs on one device")
         exe.use_mesh(mesh, model, plan=family.tp_plan)
         if verbose:
             print(f"mmzoo: {exe.sharding.describe()}", file=sys.stderr)
     processor = AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True)
     eos = _eos_ids(checkpoint, hf_config, processor.tokenizer)
-    exe.setup(model, dtype=dtype, eos_token_ids=eos)
-    if getattr(exe, "do_warmup", False):
+    exe.setup(model, dtype=dtype, eos_token_ids=eos, take_ownership=True)  # built for this executor alone
+    if exe.do_warmup:
         secs = exe.warmup(lambda tower, rows: family.dummy_media(rows))
         if verbose:
             print(f"mmzoo: warmup compiled {exe.compiled_graphs()} graphs in {secs:.1f} s", file=sys.stderr)

@@ -40,6 +40,12 @@ class AttentionBackend:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
+    def with_mesh(self, mesh) -> "AttentionBackend":
+        """This backend for tensors split over a device mesh (an executor's
+        :class:`~mmzoo.executor._sharding.DeviceMesh`): itself when GSPMD can partition its ops (the
+        torch backends); a kernel GSPMD cannot see into (Pallas) returns a copy that runs per shard."""
+        return self
+
     def folded_mask(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool, q_segment_ids, kv_segment_ids,
                     q_positions, kv_lengths) -> torch.Tensor | None:
         """:func:`visibility_mask` folded for GQA (:func:`fold_gqa`), built once per forward.

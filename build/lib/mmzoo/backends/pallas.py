@@ -106,9 +106,9 @@ class PallasAttention(AttentionBackend):
         else:
             self._embed = functools.partial(_call_jax_without_torchax, self._xb)
 
-    _spmd = None  # a device mesh (mmzoo.executor._sharding.DeviceMesh) after partitioned()
+    _spmd = None  # a device mesh (mmzoo.executor._sharding.DeviceMesh) after with_mesh()
 
-    def partitioned(self, mesh) -> "PallasAttention":
+    def with_mesh(self, mesh) -> "PallasAttention":
         """This backend, run per shard under torch_xla SPMD: GSPMD cannot split a Pallas kernel, so
         on xla tensors each call runs on the local heads (and batch) of every device, through
         ``mesh.per_shard``; torch_xla's ``flash_attention`` gets ``mesh.flash_kwargs``

@@ -1,6 +1,6 @@
 """Executors: own devices, padding, caches, scheduling and sampling; modules own none of it."""
 
-from mmzoo.executor._loop import Executor
+from mmzoo.executor.base import Executor
 from mmzoo.executor._sharding import MeshSpec
 from mmzoo.executor.eager import EagerExecutor
 

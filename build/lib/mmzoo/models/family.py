@@ -48,9 +48,11 @@ TP_PLAN = {
     "*.attn.q_proj.*": "colwise",
     "*.attn.k_proj.*": "colwise_kv",
     "*.attn.v_proj.*": "colwise_kv",
+    "*.attn.qkv_proj.*": "colwise",  # fused by the executor (fuse_projections)
     "*.attn.o_proj.*": "rowwise",
     "*.mlp.gate_proj.*": "colwise",
     "*.mlp.up_proj.*": "colwise",
+    "*.mlp.gate_up_proj.*": "colwise",
     "*.mlp.down_proj.*": "rowwise",
     "*.mlp.fc1.*": "colwise",
     "*.mlp.fc2.*": "rowwise",

@@ -1,0 +1,361 @@
+"""The executor: everything the modules do not know about.
+
+Placement, dtype, padding to static shapes, the KV cache in slots and the media buffer, the
+generation loop (the :class:`~mmzoo.executor.scheduler.Scheduler` decides who runs; the
+:mod:`~mmzoo.executor.steps` compute) and sampling. Inputs are prepared on the host with numpy and
+moved once per step, as vLLM's TPU runner does. The eager and XLA executors differ only in the
+hooks at the top of :class:`Executor` (device, buckets, how a step is run).
+
+Three kinds of device step, each a fixed set of shapes on XLA:
+
+* **encode** (per tower and input-row bucket): a tower's embeddings written into the persistent
+  media buffer at an offset, so the prompt graph never depends on media sizes;
+* **prefill** (per prompt bucket): merge token and media embeddings, fill one KV-cache slot,
+  sample the first token;
+* **decode** (per cache-length bucket): one token for every slot, then sampling. One decode step
+  stays in flight: step N+1 takes its input tokens from step N's device output and is launched
+  before step N's tokens are read back, so the host's per-step work overlaps the device's.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from mmzoo.buckets import round_up
+from mmzoo.errors import MmzooError
+from mmzoo.executor.scheduler import Scheduler, Sequence
+from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling, decode_step, encode_step, prefill_step
+from mmzoo.lms import KVCache
+from mmzoo.types import DTYPES, Prepared, Result, TowerInput
+
+
+class Executor:
+    """Runs a :class:`~mmzoo.models.MultimodalLM` on one device.
+
+    Args:
+        max_model_len: prompt plus generated tokens, the KV cache length per slot.
+        max_batch: KV-cache slots, i.e. sequences decoded together.
+        progress: show a progress bar over requests.
+
+    Attributes:
+        encoder_buckets: tower -> padded input-row counts (empty: no padding, or the executor's
+            defaults); :func:`mmzoo.build` fills in a family's item buckets.
+        do_warmup: whether :func:`mmzoo.build` calls :meth:`warmup` after :meth:`setup`.
+    """
+
+    name = "?"
+    do_warmup = False
+
+    def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, progress: bool = False):
+        if max_model_len <= 0 or max_batch <= 0:
+            raise ValueError(f"max_model_len={max_model_len} and max_batch={max_batch} must be positive")
+        self.max_model_len, self.max_batch, self.progress = max_model_len, max_batch, progress
+        self.encoder_buckets: dict[str, list[int]] = {}
+        self.model = None
+
+    # -- what the executors differ in ------------------------------------------------------
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    def prefill_len(self, n: int) -> int:
+        """The padded prompt length for a prompt of ``n`` tokens."""
+        return n
+
+    def encoder_rows(self, tower: str, n: int) -> int:
+        """The padded input-row count for ``n`` input rows of ``tower``."""
+        return n
+
+    def decode_kv_len(self, n: int) -> int | None:
+        """The KV-cache positions a decode step whose longest sequence will hold ``n`` tokens
+        attends over; None: the whole cache."""
+        return None
+
+    def max_media_rows(self) -> int:
+        """Rows of the media buffer: every placeholder of the longest prompt, plus padding room."""
+        return self.max_model_len
+
+    def step_begin(self) -> None:
+        """Called before each device step (the XLA executor counts compiles per step from here)."""
+
+    def step_done(self) -> None:
+        """Called after each device step (XLA cuts and runs the graph here)."""
+
+    def graphs_since_warmup(self) -> int | None:
+        return 0
+
+    def describe(self) -> str:
+        return self.name
+
+    def hold_keys_transposed(self, model) -> bool:
+        """Whether the KV cache holds keys as ``[.., head_dim, len]`` (:class:`~mmzoo.lms.KVCache`)."""
+        return False
+
+    def prepare_model(self, model) -> None:
+        """Lay out the executor's copy of the model before it is placed (the XLA executor fuses
+        projections here)."""
+
+    def shard(self) -> None:
+        """Annotate the placed weights and KV cache with a device-mesh sharding (the XLA executor
+        with a mesh: :mod:`mmzoo.executor._sharding`); called by setup() before they materialize."""
+
+    def use_mesh(self, mesh, model, plan=None) -> None:
+        raise MmzooError(f"mesh {mesh} needs executor=xla; the {self.name} executor runs on one device")
+
+    def warmup(self, dummy_media=None) -> float:
+        """Compile every step ahead of time (the XLA executor); returns the seconds taken."""
+        return 0.0
+
+    def run_step(self, key, fn: Callable[..., tuple], inputs: list[torch.Tensor], state: str) -> list[torch.Tensor]:
+        """Run the device step ``fn(*inputs) -> outputs``, which updates the executor's ``state``
+        ("cache": the KV cache, "media": the media buffer) in place. ``key`` names the step's
+        static shape; the XLA executor replays the compiled graph of each key after its first call."""
+        self.step_begin()
+        return list(fn(*inputs))
+
+    # -- setup -----------------------------------------------------------------------------
+    def setup(self, model, *, dtype: str = "float32", eos_token_ids=(), take_ownership: bool = False) -> None:
+        """Place a copy of ``model`` on the device in ``dtype`` (``self.model``); allocate the KV cache
+        and the media buffer. The caller's module is left as it was, unless ``take_ownership`` (the
+        engine, which built the module for this executor alone): then it is laid out and placed in
+        place, without a copy."""
+        if dtype not in DTYPES:
+            raise MmzooError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+        self.dtype = DTYPES[dtype]
+        dev = self.device()
+        model = model if take_ownership else copy.deepcopy(model)
+        self.prepare_model(model)
+        model = model.eval().to(dev)
+        for p in model.parameters():  # parameters only: rotary frequency buffers stay float32
+            p.data = p.data.to(self.dtype)
+        self.model = model
+        lm = model.lm
+        self.cache = KVCache(num_layers=lm.num_layers, num_slots=self.max_batch, num_kv_heads=lm.num_kv_heads,
+                             max_len=self.max_model_len, head_dim=lm.head_dim, dtype=self.dtype, device=dev,
+                             keys_transposed=self.hold_keys_transposed(model))
+        self.media = torch.zeros(self.max_media_rows(), lm.dim, dtype=self.dtype, device=dev)
+        self.eos = set(int(e) for e in eos_token_ids)
+        self._encoded_rows: dict = {}  # encode step key -> embedding rows it writes
+        self.shard()
+        self.step_done()  # materialize weights and buffers, so no step graph contains their creation
+
+    def _tensor(self, array, dtype=None) -> torch.Tensor:
+        return torch.as_tensor(np.ascontiguousarray(array), dtype=dtype).to(self.device())
+
+    # -- the steps, from typed host inputs ---------------------------------------------------
+    @torch.no_grad()
+    def encode(self, item: TowerInput, offset: int = 0) -> int:
+        """Run one tower (or take its precomputed embeddings) and write rows at ``offset`` of the
+        media buffer; returns the number of rows written (real and padding)."""
+        if item.embeds is not None:
+            emb = torch.as_tensor(item.embeds)
+            rows = self.encoder_rows("embeds", emb.shape[0])  # the buffer write depends only on rows
+            padded = torch.zeros(rows, emb.shape[1], dtype=self.dtype)
+            padded[: emb.shape[0]] = emb.to(self.dtype)
+            key, tower, names, tensors = ("embeds", rows), None, [], [padded.to(self.device())]
+        else:
+            rows = self.encoder_rows(item.tower, round_up(item.rows, item.row_multiple))
+            tower, names, tensors = item.tower, sorted(item.inputs), []
+            for name in names:
+                arr = item.inputs[name]
+                padded = np.full((rows,) + arr.shape[1:], item.pad.get(name, 0), dtype=arr.dtype)
+                padded[: arr.shape[0]] = arr
+                tensors.append(self._tensor(padded, self.dtype if arr.dtype.kind == "f" else torch.long))
+            key = ("encode", item.tower, rows, tuple(names))
+        n = self._encoded_rows.get(key)  # known from the step's first (traced) call
+        if n is not None:
+            self._check_media_rows(item, offset, n)
+
+        def step(at, *tensors):
+            written = encode_step(self.model, self.media, tower, names, at, *tensors)
+            self._encoded_rows[key] = written
+            self._check_media_rows(item, offset, written)
+            return ()
+
+        self.run_step(key, step, [self._tensor([offset])] + tensors, "media")
+        return self._encoded_rows[key]
+
+    def _check_media_rows(self, item, offset: int, n: int) -> None:
+        if offset + n > self.media.shape[0]:
+            raise MmzooError(f"{item.tower} inputs need {offset + n} media rows; the buffer holds {self.media.shape[0]}")
+
+    @torch.no_grad()
+    def encode_media(self, item: TowerInput) -> torch.Tensor:
+        """Run one tower alone and return its ``[num_embeds, dim]`` embeddings on the host.
+
+        The whole media buffer comes back (a transfer, not a new graph), so no shape-dependent
+        slice is compiled."""
+        self.encode(item, 0)
+        self.step_done()
+        return self.media.cpu()[: item.num_embeds].clone()
+
+    def prefill_inputs(self, prepared: Prepared, slot: int = 0) -> PrefillInputs:
+        """The prompt padded to its bucket, its placeholders pointing at media-buffer rows; runs the
+        towers (one encode step per :class:`TowerInput`), writing the buffer from row 0."""
+        n = len(prepared.input_ids)
+        s = self.prefill_len(n)
+        inputs = PrefillInputs.zeros(s, prepared.positions.shape[0], slot)
+        inputs.input_ids[:n] = prepared.input_ids
+        inputs.positions[:, :n] = prepared.positions
+        inputs.length = n
+        remap, start, offset = prepared.mm_index.copy(), 0, 0
+        for item in prepared.media:
+            written = self.encode(item, offset)
+            self.step_done()
+            sel = (prepared.mm_index >= start) & (prepared.mm_index < start + item.num_embeds)
+            remap[sel] = prepared.mm_index[sel] - start + offset
+            start += item.num_embeds
+            offset += written
+        inputs.mm_index[:n] = remap
+        return inputs
+
+    @torch.no_grad()
+    def prefill(self, inputs: PrefillInputs, sampling: Sampling | None = None) -> torch.Tensor:
+        """The prompt into its cache slot; returns the first token ``[1]`` (on the device)."""
+        sampling = sampling or Sampling.greedy_rows(1)
+        head = [] if sampling.greedy else [self._tensor(sampling.top_k), self._tensor(sampling.floats())]
+        ids, pos, index = (self._tensor(a) for a in (inputs.input_ids[None], inputs.positions[:, None],
+                                                      inputs.mm_index[None]))
+
+        def step(*args):
+            return (prefill_step(self.model, self.cache, *args),)
+
+        args = [ids, pos, index, self._tensor([inputs.slot]), self._tensor([inputs.length - 1]), self.media] + head
+        (token,) = self.run_step(("prefill", len(inputs.input_ids), sampling.greedy), step, args, "cache")
+        return token
+
+    @torch.no_grad()
+    def prompt_logits(self, prepared: Prepared) -> np.ndarray:
+        """``[s, vocab]`` float32 logits at every prompt position (no cache; for scoring and tests)."""
+        inputs = self.prefill_inputs(prepared)
+        ids, pos, index = (self._tensor(a) for a in (inputs.input_ids[None], inputs.positions[:, None],
+                                                      inputs.mm_index[None]))
+        self.step_begin()
+        logits = self.model(ids, pos, mm_embeds=self.media, mm_index=index)
+        self.step_done()
+        return logits[0].cpu().numpy()[: inputs.length]
+
+    @torch.no_grad()
+    def decode(self, inputs: DecodeInputs, sampling: Sampling | None = None,
+               prev: torch.Tensor | None = None) -> torch.Tensor:
+        """One token for every slot -> ``[slots]`` (on the device); ``prev`` is the previous step's
+        output, read by the ``use_prev`` slots."""
+        b = self.max_batch
+        sampling = sampling or Sampling.greedy_rows(b)
+        rows = inputs.rows(sampling.top_k)
+        floats = [] if sampling.greedy else [self._tensor(sampling.floats())]
+        if prev is None:
+            prev = self._tensor(np.zeros(b, np.int64))
+        kv_len = inputs.kv_len
+
+        def step(prev, rows, *floats):
+            return (decode_step(self.model, self.cache, kv_len, prev, rows, *floats),)
+
+        (tokens,) = self.run_step(("decode", sampling.greedy, kv_len), step,
+                                  [prev, self._tensor(rows)] + floats, "cache")
+        return tokens
+
+    # -- from sequences to step inputs -------------------------------------------------------
+    @staticmethod
+    def sampling_for(seqs: dict[int, Sequence], rows: int) -> Sampling:
+        """Row ``i``'s sampling parameters from ``seqs[i]``'s request, with one uniform draw from its
+        own seeded generator when it samples (so its tokens do not depend on its batch)."""
+        s = Sampling.greedy_rows(rows)
+        for row, seq in seqs.items():
+            r = seq.request
+            s.temperature[row], s.top_k[row], s.top_p[row] = r.temperature, r.top_k, r.top_p
+            s.uniform[row] = seq.rng.random() if r.temperature > 0 else 0.0
+        return s
+
+    def decode_inputs(self, seqs: dict[int, Sequence], from_prev: set[int] = frozenset()) -> DecodeInputs:
+        """The decode step of the sequences in ``seqs`` (slot -> sequence); the ``from_prev`` slots
+        read their input token from the previous step's device output."""
+        inputs = DecodeInputs.zeros(self.max_batch, 1)  # unused slots: token 0 at position 0
+        for slot, seq in seqs.items():
+            use_prev = slot in from_prev
+            inputs.use_prev[slot], inputs.token[slot] = use_prev, 0 if use_prev else seq.last
+            inputs.write[slot], inputs.rope[slot] = seq.length, seq.length + seq.prepared.position_delta
+        inputs.kv_len = self.decode_kv_len(max(seq.length for seq in seqs.values()) + 1)
+        return inputs
+
+    # -- the generation loop -------------------------------------------------------------------
+    def generate(self, prepared: list[Prepared], *, decode_text: Callable[[list[int]], str],
+                 on_result: Callable[[Result], None] | None = None) -> list[Result]:
+        """Generate for every request, ``max_batch`` at a time, refilling slots as sequences finish.
+
+        Results come back in request order; ``on_result`` is called as each one finishes. A request
+        that cannot run (too long, bad parameters) gets a result with ``error`` and the rest go on.
+        """
+        if self.model is None:
+            raise RuntimeError("call setup(model) before generate()")
+        sched = Scheduler(self.max_batch, self.max_model_len, self.eos)
+        for i, p in enumerate(prepared):
+            req = p.request
+            result = Result(id=req.id, prompt=req.prompt, prompt_token_ids=(
+                [] if req.inputs_embeds is not None else [int(t) for t in p.input_ids]))
+            sched.add(Sequence(prepared=p, result=result, index=i, rng=np.random.default_rng(req.seed)))
+        results: list[Result | None] = [None] * len(prepared)
+        bar = None
+        if self.progress:
+            from mmzoo.executor.progress import Progress
+
+            bar = Progress(len(prepared))
+
+        def done(seq: Sequence) -> None:
+            r = seq.result
+            r.latency_s = time.perf_counter() - sched.t0
+            r.graphs_compiled_after_warmup = self.graphs_since_warmup()
+            results[seq.index] = r
+            if bar:
+                bar.update(r)
+            if on_result:
+                on_result(r)
+
+        # One decode step stays in flight: step N+1 is launched (its input tokens taken from step
+        # N's device output) before step N's tokens are read back. A sequence that stops at step N
+        # has had step N+1 computed for it too; that token is dropped (its cache slot is rewritten
+        # by the next prompt's prefill).
+        inflight = None  # (token ids on the device, [(slot, seq, tokens cached after the step)])
+        while not sched.done:
+            for seq in sched.admit():
+                try:
+                    seq.request.check()
+                    if seq.length + 1 > self.max_model_len:
+                        raise MmzooError(f"prompt has {seq.length} tokens; max_model_len={self.max_model_len} "
+                                         f"leaves no room to generate")
+                    first = self.prefill(self.prefill_inputs(seq.prepared, seq.slot),
+                                         self.sampling_for({0: seq}, 1))
+                    self.step_done()
+                    token = int(first.cpu()[0])
+                except MmzooError as e:
+                    sched.drop(seq)
+                    seq.result.error = str(e)
+                    done(seq)
+                    continue
+                seq.result.ttft_s = time.perf_counter() - sched.t0
+                if sched.emit(seq, token, seq.length, decode_text):
+                    done(seq)
+            flying = {slot: seq for slot, seq, _ in inflight[1]} if inflight else {}
+            ahead = {slot for slot, seq in sched.running.items() if flying.get(slot) is seq}  # a token in flight
+            go = sched.to_decode(ahead)
+            launched = None
+            if go:
+                out = self.decode(self.decode_inputs(go, ahead & set(go)), self.sampling_for(go, self.max_batch),
+                                  prev=inflight[0] if inflight else None)
+                self.step_done()
+                for seq in go.values():
+                    seq.length += 1
+                launched = (out, [(slot, seq, seq.length) for slot, seq in go.items()])
+            if inflight:
+                tokens = inflight[0].cpu().numpy()
+                for slot, seq, cached in inflight[1]:
+                    if sched.running.get(slot) is seq and sched.emit(seq, int(tokens[slot]), cached, decode_text):
+                        done(seq)
+            inflight = launched
+        if bar:
+            bar.close()
+        return results

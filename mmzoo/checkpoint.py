@@ -22,7 +22,10 @@ __all__ = ["read_config", "read_safetensors", "load_strict", "load_component"]
 
 
 def read_safetensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
+    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``.
+
+    The shards are read with safetensors itself; transformers' sharded loader loads into a
+    transformers model, and the names here are mapped by the family before strict loading."""
     root = Path(checkpoint)
     index, single = root / "model.safetensors.index.json", root / "model.safetensors"
     if index.is_file():

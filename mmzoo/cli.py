@@ -18,12 +18,12 @@ from mmzoo.errors import MmzooError
 
 def cli(fn: Callable[[DictConfig], object], cfg: DictConfig) -> None:
     """Run ``fn(cfg)``; bad input is one ``error:`` line and exit status 1 (``debug=true``: traceback)."""
-    from mmzoo.engine import _mmzoo_error
+    from mmzoo.errors import find_mmzoo_error
 
     try:
         fn(cfg)
     except Exception as e:  # a resolver's or a builder's MmzooError arrives wrapped by OmegaConf / Hydra
-        inner = _mmzoo_error(e)
+        inner = find_mmzoo_error(e)
         if inner is None or cfg.get("debug"):
             raise
         print(f"error: {inner}", file=sys.stderr)

@@ -22,10 +22,9 @@ from mmzoo import config as _config
 from mmzoo import embeds_file
 from mmzoo.checkpoint import load_strict, read_safetensors
 from mmzoo.config import read_config
-from mmzoo.errors import MmzooError
+from mmzoo.errors import MmzooError, find_mmzoo_error
 from mmzoo.executor import Executor
 from mmzoo.models import MultimodalLM, Tower
-from mmzoo.models._embeds import cast_note
 from mmzoo.types import DTYPES, Prepared, Request, Result
 
 COMPONENTS = ("encoder", "adapter", "lm")
@@ -154,6 +153,15 @@ class Engine:
         return results[0] if single else results
 
 
+def cast_note(t: torch.Tensor, dtype: torch.dtype, field: str) -> torch.Tensor:
+    """``t`` in the run dtype, saying so when it was not."""
+    if t.dtype != dtype:
+        print(f"mmzoo: note: {field} is {str(t.dtype).replace('torch.', '')}; cast to "
+              f"{str(dtype).replace('torch.', '')}", file=sys.stderr)
+        t = t.to(dtype)
+    return t
+
+
 def _eos_ids(checkpoint: Path, config, tokenizer) -> list[int]:
     from transformers import GenerationConfig
 
@@ -165,17 +173,6 @@ def _eos_ids(checkpoint: Path, config, tokenizer) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
 
 
-def _mmzoo_error(e: BaseException) -> MmzooError | None:
-    """The MmzooError behind a Hydra / OmegaConf wrapper (a resolver's or a builder's), if any."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, MmzooError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
-
-
 def instantiate_part(node: DictConfig, where: str, **kwargs):
     """``hydra.utils.instantiate(node)``, with bad input reported as one :class:`MmzooError` naming ``where``."""
     from hydra.errors import InstantiationException
@@ -185,7 +182,7 @@ def instantiate_part(node: DictConfig, where: str, **kwargs):
     try:
         return instantiate(node, **kwargs)
     except (InstantiationException, OmegaConfBaseException, ValueError, TypeError) as e:
-        inner = _mmzoo_error(e)
+        inner = find_mmzoo_error(e)
         if inner is not None:
             raise MmzooError(str(inner)) from None
         cause = e.__cause__ or e
@@ -260,7 +257,7 @@ def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, 
     """
     from transformers import AutoProcessor
 
-    from mmzoo.executor._sharding import mesh_option
+    from mmzoo.executor import mesh_option
 
     name = cfg.model.get("name", "?")
     checkpoint = cfg.get("checkpoint")

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 import mmzoo
 from mmzoo import config
@@ -186,3 +186,15 @@ def test_qwen2_text_model_matches_transformers(llava_qwen2_ckpt, image_files, ex
     np.testing.assert_allclose(engine.executor.prompt_logits(prepared), ref["logits"], atol=1e-4, rtol=0)
     result = engine.generate(mmzoo.Request(prompt=PROMPT, images=image_files[:2], **GEN))
     assert result.prompt_token_ids == ref["ids"] and result.token_ids == ref["tokens"]
+
+
+def test_bare_composition_gets_item_buckets(ckpt):
+    """The XLA executor on a composition built without a family: a CLIP tower's rows are images, so
+    its buckets count images (up to 16), not 64-16384 patches."""
+    from mmzoo.engine import build_model
+    from mmzoo.executor.xla import XLAExecutor
+
+    _, model = build_model(mmzoo.compose(values={"checkpoint": str(ckpt)}))
+    exe = XLAExecutor(max_model_len=64, max_batch=1, warmup=False, prefill_buckets=[64], progress=False)
+    exe.setup(model)
+    assert exe.tower_buckets("vision") == [1, 2, 4, 8, 16]

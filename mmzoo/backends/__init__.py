@@ -21,11 +21,11 @@ Masking rules, combined with AND (a key is visible to a query only if every rule
 A query row that sees no key at all returns zeros.
 """
 
-from mmzoo.backends._base import AttentionBackend
+from mmzoo.backends._base import AttentionBackend, repeat_kv
 from mmzoo.backends.eager import EagerAttention
 from mmzoo.backends.sdpa import SDPAAttention
 
-__all__ = ["AttentionBackend", "EagerAttention", "SDPAAttention", "PallasAttention", "resolve", "set_attention"]
+__all__ = ["AttentionBackend", "EagerAttention", "SDPAAttention", "PallasAttention", "resolve", "set_attention", "repeat_kv"]
 
 
 def resolve(attention) -> AttentionBackend:

@@ -84,6 +84,11 @@ class ClipVisionEncoder(nn.Module):
         return self.num_patches + int(self.keep_cls)
 
     @property
+    def rows_per_item(self) -> int:
+        """Output rows per input row (one image): an executor buckets this tower's inputs by images."""
+        return self.tokens_per_image
+
+    @property
     def out_dim(self) -> int:
         return self.embed_dim * len(self.feature_layers)
 

@@ -70,6 +70,11 @@ class WhisperEncoder(nn.Module):
         """Output rows per clip (valid and masked together)."""
         return self.max_positions // self.pool_stride
 
+    @property
+    def rows_per_item(self) -> int:
+        """Output rows per input row (one clip): an executor buckets this tower's inputs by clips."""
+        return self.tokens_per_clip
+
     def forward(self, features: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Encode clips padded to the window.
 

@@ -1,10 +1,10 @@
 """Executors: own devices, padding, caches, scheduling and sampling; modules own none of it."""
 
 from mmzoo.executor.base import Executor
-from mmzoo.executor._sharding import MeshSpec
+from mmzoo.executor._sharding import MeshSpec, mesh_option
 from mmzoo.executor.eager import EagerExecutor
 
-__all__ = ["Executor", "EagerExecutor", "XLAExecutor", "MeshSpec"]
+__all__ = ["Executor", "EagerExecutor", "XLAExecutor", "MeshSpec", "mesh_option"]
 
 
 def __getattr__(name):

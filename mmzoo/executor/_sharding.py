@@ -273,7 +273,7 @@ class DeviceMesh:
         kv heads fewer than ``model`` are repeated first, so each shard holds the one kv head its
         query heads read (query head ``j`` reads kv head ``j // (hq / hkv)`` either way).
         """
-        from mmzoo.backends._base import repeat_kv
+        from mmzoo.backends import repeat_kv
 
         q, k, v, *meta = tensors
         m, hkv = self.plan.mesh.model, k.shape[1]

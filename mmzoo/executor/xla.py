@@ -23,6 +23,7 @@ from mmzoo.buckets import doubling, pick
 from mmzoo.executor.base import Executor
 
 _CACHE_DIR: str | None = None
+MAX_ITEMS_PER_CALL = 16  # the default largest bucket of a tower whose rows are images or clips
 
 
 class RecompileError(RuntimeError):
@@ -129,6 +130,10 @@ class XLAExecutor(Executor):
             raise ValueError("replay_steps=true is not supported with a device mesh; use auto or false")
         from mmzoo.executor import _layout
 
+        for tower, module in model.towers.items():  # towers whose input rows are whole items (images, clips)
+            per = getattr(module.encoder, "rows_per_item", None)
+            if tower not in self.encoder_buckets and per:
+                self.encoder_buckets[tower] = doubling(1, max(1, min(MAX_ITEMS_PER_CALL, self.max_media_rows() // per)))
         super().setup(model, dtype=dtype, eos_token_ids=eos_token_ids, take_ownership=take_ownership)
         self.replaying = self.sharding is None if self.replay_steps == "auto" else bool(self.replay_steps)
         skipping = all(getattr(b, "skips_past_length", False) for b in self._lm_backends(self.model))

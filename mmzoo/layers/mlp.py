@@ -4,37 +4,19 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from mmzoo.layers.linear import stack_linears
 
 
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    """``x * sigmoid(1.702 x)``, the GELU approximation of CLIP and Qwen2-VL's ViT."""
-    return x * torch.sigmoid(1.702 * x)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": gelu_tanh,
-    "gelu_new": gelu_tanh,
-    "quick_gelu": quick_gelu,
-    "silu": F.silu,
-    "swish": F.silu,
-    "relu": F.relu,
-}
-
-
 def activation(name: str):
-    """The activation function a Hugging Face config names (``hidden_act``)."""
+    """The activation a Hugging Face config names (``hidden_act``: ``quick_gelu``, ``gelu``, ``silu``,
+    ``gelu_pytorch_tanh``, ...), as transformers computes it (its ``ACT2FN``), so parity holds."""
+    from transformers.activations import ACT2FN
+
     try:
-        return ACTIVATIONS[name]
+        return ACT2FN[name]
     except KeyError:
-        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}") from None
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACT2FN)}") from None
 
 
 class MLP(nn.Module):

@@ -7,7 +7,10 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich, 2019), statistics in float32."""
+    """Root-mean-square norm (Zhang & Sennrich, 2019), statistics in float32.
+
+    Not ``torch.nn.RMSNorm``: that one normalizes in the input's dtype, while transformers' Qwen2 and
+    Llama norms compute in float32 and cast back, which bfloat16 parity needs."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()

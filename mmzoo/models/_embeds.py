@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import numpy as np
@@ -49,12 +48,3 @@ def as_grid(value: Any, field: str) -> np.ndarray:
     if g.size and g.min() <= 0:
         raise MmzooError(f"{field} entries must be positive, got {g.tolist()}")
     return g
-
-
-def cast_note(t: torch.Tensor, dtype: torch.dtype, field: str) -> torch.Tensor:
-    """Cast to the run dtype, saying so."""
-    if t.dtype != dtype:
-        print(f"mmzoo: note: {field} is {str(t.dtype).replace('torch.', '')}; cast to "
-              f"{str(dtype).replace('torch.', '')}", file=sys.stderr)
-        t = t.to(dtype)
-    return t

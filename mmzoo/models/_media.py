@@ -1,5 +1,8 @@
 """Loading media given as paths (or already-loaded objects), with errors that name the field:
-images and video frames with pillow, audio with librosa."""
+images and video frames with pillow, audio with librosa.
+
+Not ``transformers.image_utils.load_image``: that one also fetches URLs (a server must never fetch
+what a request names) and its errors do not say which item of which field failed."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ Each clip is resampled to the feature extractor's rate (16 kHz), turned into a l
 fixed length (30 s: 3000 frames; longer clips are cut), encoded to 1500 positions, pooled to 750
 and projected; a clip of ``L`` valid mel frames fills ``((L - 1) // 2 + 1) // 2`` placeholder
 tokens, the rest of its rows are dropped. The tower runs on whole clips: its input rows are clips
-at the fixed window, which the XLA executor pads to a bucket of clip counts
-(:meth:`Qwen2Audio.encoder_buckets`); each clip's keys are masked to its valid length, so neither
+at the fixed window, which the XLA executor pads to a bucket of clip counts (the encoder's
+``rows_per_item``); each clip's keys are masked to its valid length, so neither
 padding frames nor padding clips change the result.
 """
 
@@ -20,15 +20,12 @@ import sys
 import numpy as np
 import torch
 
-from mmzoo.buckets import doubling
 from mmzoo.encoders import conv_lengths
 from mmzoo.errors import MmzooError
 from mmzoo.models._embeds import as_embeds
 from mmzoo.models._media import load_audios
 from mmzoo.models.family import Family, Media, lm_key
 from mmzoo.types import TowerInput
-
-MAX_CLIPS_PER_CALL = 16  # the largest default XLA bucket of clips (executor.encoder_buckets.audio for more)
 
 _ENCODER_RENAMES = [
     (".self_attn.out_proj.", ".attn.o_proj."),
@@ -139,12 +136,6 @@ class Qwen2Audio(Family):
             else:
                 out[lm_key(key) or key] = value  # anything else is reported as unexpected by the strict loader
         return out
-
-    def encoder_buckets(self, *, max_model_len: int, max_media_rows: int) -> list[int]:
-        """Clips per call: doubling up to :data:`MAX_CLIPS_PER_CALL` (a clip can fill as few as one
-        token, so ``max_model_len`` does not bound the count) and to as many clips as the media
-        buffer of ``max_media_rows`` embeddings takes (each clip writes all its rows)."""
-        return doubling(1, max(1, min(MAX_CLIPS_PER_CALL, max_model_len, max_media_rows // self.tokens_per_clip)))
 
     def dummy_media(self, rows: int) -> TowerInput:
         """``rows`` silent full-length clips."""

@@ -38,13 +38,36 @@ def recipes():
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory, qwen2_vl_ckpt):
-    """One tiny checkpoint per conf/model family."""
-    from mmzoo.fixtures import make_tiny_llava, make_tiny_qwen2_audio
+def llava_ckpt(tmp_path_factory):
+    """A random tiny LlavaForConditionalGeneration (CLIP ViT + MLP projector + Llama)."""
+    from mmzoo.fixtures import make_tiny_llava
 
-    root = tmp_path_factory.mktemp("zoo")
-    return {"qwen2_vl": qwen2_vl_ckpt, "llava": make_tiny_llava(root / "llava", seed=0),
-            "qwen2_audio": make_tiny_qwen2_audio(root / "qwen2_audio", seed=0)}
+    return make_tiny_llava(tmp_path_factory.mktemp("ckpt") / "llava", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen2_audio_ckpt(tmp_path_factory):
+    """A random tiny Qwen2AudioForConditionalGeneration (Whisper encoder + projector + Qwen2)."""
+    from mmzoo.fixtures import make_tiny_qwen2_audio
+
+    return make_tiny_qwen2_audio(tmp_path_factory.mktemp("ckpt") / "qwen2_audio", seed=0)
+
+
+@pytest.fixture(scope="session")
+def audio_files(tmp_path_factory):
+    """0.5 s and 1.3 s at 16 kHz, 0.8 s at 8 kHz (librosa resamples it; the tiny window is 2 s)."""
+    from mmzoo.fixtures import make_audio, write_wav
+
+    root = tmp_path_factory.mktemp("audio")
+    return [str(write_wav(root / "a0.wav", make_audio(0.5, seed=0))),
+            str(write_wav(root / "a1.wav", make_audio(1.3, seed=1))),
+            str(write_wav(root / "a2.wav", make_audio(0.8, seed=2, sampling_rate=8000), 8000))]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(qwen2_vl_ckpt, llava_ckpt, qwen2_audio_ckpt):
+    """One tiny checkpoint per conf/model family."""
+    return {"qwen2_vl": qwen2_vl_ckpt, "llava": llava_ckpt, "qwen2_audio": qwen2_audio_ckpt}
 
 
 @pytest.fixture(scope="session")

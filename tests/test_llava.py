@@ -1,11 +1,6 @@
-"""Llava: numerical parity with transformers' own model on a tiny random checkpoint, embeddings mode,
-bad input and the CLI.
-
-Prefill logits allclose (fp32, atol 1e-4) and greedy token ids identical for 16 new tokens (EOS
-disabled) on both executors and every attention backend in conf/attention/: 0, 1 and 3 images on
-the eager executor, 3 images on XLA (its tower pads them to a bucket of 4 images; one prompt keeps
-the XLA compiles, and the file, short).
-"""
+"""Llava's own tests (parity with transformers is tests/test_parity.py): a list of feature layers
+and the full strategy, its buckets, embeddings mode, bad input, the CLI, a Qwen2 text model, and a
+bare composition on the XLA executor."""
 
 from __future__ import annotations
 
@@ -17,81 +12,35 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 import mmzoo
-from mmzoo import config
+import parity
 from mmzoo.errors import MmzooError
-from mmzoo.models import Llava
-from mmzoo.models._media import load_images
 from mmzoo.fixtures import make_tiny_llava
+from mmzoo.models import Llava
 
 PROMPT = "What shape is this?"
-COUNTS = {"eager": [0, 1, 3], "xla": [3]}
 EXECUTORS = ["eager", "xla"]
-BACKENDS = config.options("attention")
-# graphs compile on first use here; warmup with the family's buckets is tested in test_qwen2_audio.py
 XLA = {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2}
 GEN = {"max_new_tokens": 16, "ignore_eos": True}
-_ENGINES: dict = {}
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_llava(tmp_path_factory.mktemp("ckpt") / "llava", seed=0)
+def ckpt(llava_ckpt):
+    return llava_ckpt
 
 
 def hf_reference(ckpt, images, counts, prompt=PROMPT, new_tokens=16):
-    """transformers' prompt ids, prefill logits and greedy tokens (EOS disabled) per image count."""
-    processor = AutoProcessor.from_pretrained(ckpt)
-    model = LlavaForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    out = {}
-    for n in counts:
-        content = [{"type": "image"}] * n + [{"type": "text", "text": prompt}]
-        text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
-        inputs = processor(text=[text], images=load_images(images[:n]) or None, return_tensors="pt")
-        with torch.no_grad():
-            logits = model(**inputs).logits[0].float().numpy()
-            gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        ids = inputs["input_ids"][0].tolist()
-        out[n] = {"ids": ids, "logits": logits, "tokens": gen[0, len(ids):].tolist()}
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt, image_files):
-    return hf_reference(ckpt, image_files, COUNTS["eager"])
+    return parity.reference(ckpt, "LlavaForConditionalGeneration", "image", images, counts, prompt, new_tokens)
 
 
 def get_engine(ckpt, executor: str, attention: str = "sdpa"):
-    """One engine per (executor, backend) for the whole module."""
-    key = (str(ckpt), executor, attention)
-    if key not in _ENGINES:
-        _ENGINES[key] = mmzoo.load(ckpt, executor=executor, attention=attention, max_model_len=256,
-                                   **(XLA if executor == "xla" else {}))
-    return _ENGINES[key]
+    return parity.engine(ckpt, executor, attention, **XLA)
 
 
 @pytest.fixture(scope="module")
 def eager(ckpt):
     return get_engine(ckpt, "eager")
-
-
-@pytest.mark.parametrize("executor,attention,n_images",
-                         [(e, b, n) for e in EXECUTORS for b in BACKENDS for n in COUNTS[e]])
-def test_matches_transformers(ckpt, reference, image_files, executor, attention, n_images):
-    engine = get_engine(ckpt, executor, attention)
-    ref = reference[n_images]
-    prepared = engine.prepare(mmzoo.Request(prompt=PROMPT, images=image_files[:n_images]))
-    assert prepared.input_ids.tolist() == ref["ids"]
-    logits = engine.executor.prompt_logits(prepared)
-    np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=0)
-    result = engine.generate(mmzoo.Request(prompt=PROMPT, images=image_files[:n_images], **GEN))
-    assert result.prompt_token_ids == ref["ids"]
-    assert result.token_ids == ref["tokens"]
-    assert result.finish_reason == "length"
 
 
 def test_feature_layer_list_and_full_strategy(tmp_path, image_files):

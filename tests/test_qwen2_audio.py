@@ -1,11 +1,5 @@
-"""Qwen2-Audio: numerical parity with transformers' own model on a tiny random checkpoint, embeddings
-mode, XLA warmup with the family's buckets, bad input and the CLI.
-
-Prefill logits allclose (fp32, atol 1e-4) and greedy token ids identical for 16 new tokens (EOS
-disabled) on both executors and every attention backend in conf/attention/: 0, 1 and 3 clips of
-different lengths (one written at 8 kHz, so librosa resamples it) on the eager executor, the 3
-clips on XLA (its tower pads them to a bucket of 4 clips; each clip's keys are masked to its length).
-"""
+"""Qwen2-Audio's own tests (parity with transformers is tests/test_parity.py): embeddings mode, XLA
+warmup with the tower's clip buckets, bad input and the CLI."""
 
 from __future__ import annotations
 
@@ -14,88 +8,34 @@ import os
 import subprocess
 import sys
 
-import librosa
 import numpy as np
 import pytest
 import torch
-from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 
 import mmzoo
-from mmzoo import config
+import parity
 from mmzoo.errors import MmzooError
+from mmzoo.fixtures import make_audio, write_wav
 from mmzoo.models import Qwen2Audio
-from mmzoo.fixtures import make_audio, make_tiny_qwen2_audio, write_wav
 
 PROMPT = "What do you hear?"
-COUNTS = {"eager": [0, 1, 3], "xla": [3]}
 EXECUTORS = ["eager", "xla"]
-BACKENDS = config.options("attention")
 XLA = {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2}
 GEN = {"max_new_tokens": 16, "ignore_eos": True}
-_ENGINES: dict = {}
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_qwen2_audio(tmp_path_factory.mktemp("ckpt") / "qwen2_audio", seed=0)
-
-
-@pytest.fixture(scope="module")
-def audio_files(tmp_path_factory):
-    """0.5 s and 1.3 s at 16 kHz, 0.8 s at 8 kHz (the window is 2 s)."""
-    root = tmp_path_factory.mktemp("audio")
-    return [str(write_wav(root / "a0.wav", make_audio(0.5, seed=0))),
-            str(write_wav(root / "a1.wav", make_audio(1.3, seed=1))),
-            str(write_wav(root / "a2.wav", make_audio(0.8, seed=2, sampling_rate=8000), 8000))]
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt, audio_files):
-    """transformers' prompt ids, prefill logits and 16 greedy tokens (EOS disabled) per clip count."""
-    processor = AutoProcessor.from_pretrained(ckpt)
-    model = Qwen2AudioForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    sr = processor.feature_extractor.sampling_rate
-    clips = [librosa.load(f, sr=sr)[0] for f in audio_files]
-    out = {}
-    for n in COUNTS["eager"]:
-        content = [{"type": "audio"}] * n + [{"type": "text", "text": PROMPT}]
-        text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
-        inputs = processor(text=[text], audio=clips[:n] or None, sampling_rate=sr, return_tensors="pt")
-        with torch.no_grad():
-            logits = model(**inputs).logits[0].float().numpy()
-            gen = model.generate(**inputs, max_new_tokens=16, do_sample=False, pad_token_id=0)
-        ids = inputs["input_ids"][0].tolist()
-        out[n] = {"ids": ids, "logits": logits, "tokens": gen[0, len(ids):].tolist()}
-    return out
+def ckpt(qwen2_audio_ckpt):
+    return qwen2_audio_ckpt
 
 
 def get_engine(ckpt, executor: str, attention: str = "sdpa"):
-    key = (str(ckpt), executor, attention)
-    if key not in _ENGINES:
-        _ENGINES[key] = mmzoo.load(ckpt, executor=executor, attention=attention, max_model_len=256,
-                                   **(XLA if executor == "xla" else {}))
-    return _ENGINES[key]
+    return parity.engine(ckpt, executor, attention, **XLA)
 
 
 @pytest.fixture(scope="module")
 def eager(ckpt):
     return get_engine(ckpt, "eager")
-
-
-@pytest.mark.parametrize("executor,attention,n_audios",
-                         [(e, b, n) for e in EXECUTORS for b in BACKENDS for n in COUNTS[e]])
-def test_matches_transformers(ckpt, reference, audio_files, executor, attention, n_audios):
-    engine = get_engine(ckpt, executor, attention)
-    ref = reference[n_audios]
-    prepared = engine.prepare(mmzoo.Request(prompt=PROMPT, audios=audio_files[:n_audios]))
-    assert prepared.input_ids.tolist() == ref["ids"]
-    logits = engine.executor.prompt_logits(prepared)
-    np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=0)
-    result = engine.generate(mmzoo.Request(prompt=PROMPT, audios=audio_files[:n_audios], **GEN))
-    assert result.prompt_token_ids == ref["ids"]
-    assert result.token_ids == ref["tokens"]
 
 
 def clip_embeds(engine, files) -> list[torch.Tensor]:

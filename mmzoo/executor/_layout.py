@@ -2,16 +2,14 @@
 
 ``nn.Linear`` keeps its weight as ``[out, in]``. XLA's CPU dot emitter wants the matrix of a
 ``x @ W.T`` product as ``W.T`` in row-major order, so it materializes that transpose (a full copy
-of every weight) inside each step's graph: measured on the serving benchmark's model, a batch-1
-decode step spent about two thirds of its device time on those copies. Holding each linear
-weight as its transpose ``[in, out]`` (with ``weight`` a transposed view of it) removes them.
+of every weight) inside each step's graph, which dominated a batch-1 decode step
+(docs/benchmarks.md). Holding each linear weight as its transpose ``[in, out]`` (with ``weight`` a
+transposed view of it) removes them.
 The modules are unchanged; only the stored tensor is.
 
 Projections that read the same input are also stacked into one matrix (attention's q/k/v, the
 gated MLP's gate/up: :func:`fuse_projections`). A decode step multiplies one row by each weight,
-and XLA's CPU backend reads one wide matrix faster than several narrow ones: measured on the
-serving benchmark's model, a 512 x 256 key projection read at ~9 GB/s, the 512 x 32000 LM head
-at ~27 GB/s.
+and XLA's CPU backend reads one wide matrix faster than several narrow ones.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Replaying a compiled XLA graph without tracing it again.
 
 torch_xla's lazy tensors rebuild the IR graph of a step in Python on every call, then hash it to
-find the compiled executable. For a small model's decode step that rebuilding costs more than
-running the graph (1600 IR nodes: ~18 ms of Python against ~11 ms on the XLA CPU device, measured
-on the bench model at batch 1). A :class:`ReplayedStep` traces the step once, keeps the compiled
+find the compiled executable. For a small model's decode step that rebuilding can cost more than
+running the graph (docs/benchmarks.md has the figures). A :class:`ReplayedStep` traces the step once, keeps the compiled
 graph's hash and the order of its parameters, and from then on calls the executable directly with
 the new inputs (the mechanism torch_xla's dynamo bridge uses, without dynamo).
 

@@ -1,0 +1,58 @@
+"""Helpers of the parity tests against transformers (shared by test_parity.py and the family files).
+
+``reference`` runs transformers' own model class on a checkpoint: prompt ids, prefill logits and
+greedy tokens with EOS off, for a request of ``n`` media items; ``engine`` keeps one mmzoo engine
+per (checkpoint, executor, backend) for the whole session.
+"""
+
+from __future__ import annotations
+
+import mmzoo
+
+_ENGINES: dict = {}
+
+
+def engine(ckpt, executor: str, attention: str = "sdpa", **xla):
+    """One engine per (checkpoint, executor, backend, options), built on first use."""
+    key = (str(ckpt), executor, attention, tuple(sorted(xla.items())) if executor == "xla" else ())
+    if key not in _ENGINES:
+        _ENGINES[key] = mmzoo.load(ckpt, executor=executor, attention=attention, max_model_len=256,
+                                   **(xla if executor == "xla" else {}))
+    return _ENGINES[key]
+
+
+def reference(ckpt, hf_class: str, kind: str, files: list[str], counts, prompt, new_tokens: int = 16) -> dict:
+    """transformers' prompt ids, prefill logits and greedy tokens (EOS disabled) per item count.
+
+    Args:
+        hf_class: the transformers class name (``"LlavaForConditionalGeneration"``).
+        kind: ``"image"`` or ``"audio"``: what ``files`` hold.
+        prompt: the text, or ``{count: text}``.
+    """
+    import librosa
+    import torch
+    import transformers
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(ckpt)
+    model = getattr(transformers, hf_class).from_pretrained(ckpt, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    out = {}
+    for n in counts:
+        text = prompt[n] if isinstance(prompt, dict) else prompt
+        content = [{"type": kind}] * n + [{"type": "text", "text": text}]
+        chat = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+        if kind == "audio":
+            sr = processor.feature_extractor.sampling_rate
+            clips = [librosa.load(f, sr=sr)[0] for f in files[:n]]
+            inputs = processor(text=[chat], audio=clips or None, sampling_rate=sr, return_tensors="pt")
+        else:
+            inputs = processor(text=[chat], images=[Image.open(f).convert("RGB") for f in files[:n]] or None, return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**inputs).logits[0].float().numpy()
+            gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        ids = inputs["input_ids"][0].tolist()
+        out[n] = {"ids": ids, "logits": logits, "tokens": gen[0, len(ids):].tolist()}
+    return out

@@ -1,0 +1,74 @@
+"""Numerical parity with transformers, shared by every family: on a tiny random checkpoint, the prompt
+ids equal the processor's, prefill logits are allclose (fp32, atol 1e-4) and 16 greedy tokens are
+identical (EOS off on both sides), on both executors and every attention backend in conf/attention/.
+
+Adding a family = one ``Case`` here (its tiny checkpoint fixture, its media, its transformers class).
+The item counts make the XLA tower pad (e.g. 3 images in a bucket of 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+import mmzoo
+import parity
+from mmzoo import config
+
+
+@dataclass
+class Case:
+    checkpoint: str  # the conftest fixture that builds the tiny checkpoint
+    files: str  # the conftest fixture with the media files
+    kind: str  # "image" or "audio"
+    hf_class: str
+    counts: dict[str, list[int]]  # executor -> item counts per request
+    prompt: str | dict[int, str]
+    xla: dict = field(default_factory=dict)  # XLA executor options (graphs compile on first use here)
+
+
+CASES = {
+    "qwen2_vl": Case("qwen2_vl_ckpt", "image_files", "image", "Qwen2VLForConditionalGeneration",
+                     {"eager": [0, 1, 2], "xla": [0, 1, 2]},
+                     {0: "Tell me a story.", 1: "What shape is this?", 2: "Compare the two pictures."},
+                     {"max_encoder_rows": 256, "progress": False, "warmup": False}),
+    "llava": Case("llava_ckpt", "image_files", "image", "LlavaForConditionalGeneration",
+                  {"eager": [0, 1, 3], "xla": [3]}, "What shape is this?",
+                  {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2}),
+    "qwen2_audio": Case("qwen2_audio_ckpt", "audio_files", "audio", "Qwen2AudioForConditionalGeneration",
+                        {"eager": [0, 1, 3], "xla": [3]}, "What do you hear?",
+                        {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64,
+                         "max_batch": 2}),
+}
+_REFS: dict = {}
+
+
+def _reference(request, family: str) -> dict:
+    case = CASES[family]
+    if family not in _REFS:
+        ckpt, files = request.getfixturevalue(case.checkpoint), request.getfixturevalue(case.files)
+        counts = sorted({n for c in case.counts.values() for n in c})
+        _REFS[family] = parity.reference(ckpt, case.hf_class, case.kind, files, counts, case.prompt)
+    return _REFS[family]
+
+
+@pytest.mark.parametrize("family,executor,attention,n", [
+    (f, e, b, n) for f, case in CASES.items() for e in ("eager", "xla") for b in config.options("attention")
+    for n in case.counts[e]])
+def test_matches_transformers(request, family, executor, attention, n):
+    case = CASES[family]
+    ref = _reference(request, family)[n]
+    ckpt, files = request.getfixturevalue(case.checkpoint), request.getfixturevalue(case.files)
+    engine = parity.engine(ckpt, executor, attention, **case.xla)
+    assert engine.name == family
+    text = case.prompt[n] if isinstance(case.prompt, dict) else case.prompt
+    req = {"prompt": text, f"{case.kind}s": files[:n]}
+    prepared = engine.prepare(mmzoo.Request(**req))
+    assert prepared.input_ids.tolist() == ref["ids"]
+    np.testing.assert_allclose(engine.executor.prompt_logits(prepared), ref["logits"], atol=1e-4, rtol=0)
+    result = engine.generate(mmzoo.Request(**req, max_new_tokens=16, ignore_eos=True))
+    assert result.prompt_token_ids == ref["ids"]
+    assert result.token_ids == ref["tokens"]
+    assert result.finish_reason == "length"

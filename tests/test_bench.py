@@ -1,7 +1,8 @@
-"""End-to-end run of ``python -m mmzoo.bench`` on the smoke recipe: it completes and its JSON holds the figures.
+"""End-to-end runs of ``python -m mmzoo.bench`` on the smoke recipes: they complete and their JSON holds the figures.
 
-Checks the result's shape and the facts that do not depend on timing (every request finished with
-exactly its token count, the systems agree, nothing compiled after warmup); never the timings.
+Qwen2-VL's recipe is checked figure by figure, Llava's and Qwen2-Audio's for the same facts on
+every family. Only what does not depend on timing (every request finished with exactly its token
+count, the systems agree, nothing compiled after warmup); never the timings.
 """
 
 from __future__ import annotations
@@ -21,13 +22,19 @@ METRICS = ("completed", "duration_s", "request_throughput", "output_throughput",
            "graphs_compiled_after_warmup")
 
 
-def test_smoke_recipe_writes_every_figure(tmp_path):
-    out = tmp_path / "bench.json"
+def _bench(tmp_path, recipe: str, *overrides: str) -> subprocess.CompletedProcess:
+    """``python -m mmzoo.bench`` on ``recipes/<recipe>.yaml``, writing ``tmp_path/bench.json``."""
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     p = subprocess.run([sys.executable, "-m", "mmzoo.bench", "--config-dir", str(ROOT / "recipes"),
-                        "--config-name", "bench_qwen2_vl_smoke", f"output={out}"],
+                        "--config-name", recipe, f"output={tmp_path / 'bench.json'}", *overrides],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+def test_smoke_recipe_writes_every_figure(tmp_path):
+    out = tmp_path / "bench.json"
+    p = _bench(tmp_path, "bench_qwen2_vl_smoke")
     assert "Serving benchmark" in p.stdout and "Targets:" in p.stdout
     res = json.loads(out.read_text())
     assert not list(tmp_path.glob(".bench.json*"))  # the temp file was renamed, not left behind
@@ -77,15 +84,36 @@ def test_tensor_parallel_sweep_rows(tmp_path):
     """``sweep.tp=[1,2]`` on the smoke model: a row per point (each its own process, tp=2 on 2
     virtual CPU devices under SPMD), the same tokens as tp=1, nothing compiled in the timed run."""
     out = tmp_path / "bench.json"
-    env = {**os.environ, "PJRT_DEVICE": "CPU"}
-    p = subprocess.run([sys.executable, "-m", "mmzoo.bench", "--config-dir", str(ROOT / "recipes"),
-                        "--config-name", "bench_qwen2_vl_smoke", f"output={out}", "systems=[]", "sweep.systems=[]",
-                        "sweep.image_sizes=[]", "sweep.batch_sizes=[]", "sweep.decode_profile_steps=0",
-                        "sweep.tp=[1,2]", "sweep.tp_batch=2"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
+    p = _bench(tmp_path, "bench_qwen2_vl_smoke", "systems=[]", "sweep.systems=[]", "sweep.image_sizes=[]",
+               "sweep.batch_sizes=[]", "sweep.decode_profile_steps=0", "sweep.tp=[1,2]", "sweep.tp_batch=2")
     assert "Tensor-parallel sweep" in p.stdout
     rows = json.loads(out.read_text())["tp_sweep"]
     assert [(r["tp"], r["devices"], r["batch"]) for r in rows] == [(1, 1, 2), (2, 2, 2)]
     assert all(r["same_tokens_as_tp1"] == r["requests"] and r["graphs_compiled"] == 0 for r in rows), rows
     assert "mesh data=1 x model=2" in rows[1]["describe"] and rows[0]["median_itl_ms"] > 0
+
+
+@pytest.mark.parametrize("recipe,media", [("bench_llava_smoke", "image"), ("bench_qwen2_audio_smoke", "audio")])
+def test_smoke_recipe_of_every_family(tmp_path, recipe, media):
+    """Llava (images) and Qwen2-Audio (audio clips) through every system: every request completes,
+    greedy outputs agree between mmzoo-eager, mmzoo-xla and transformers' own class, nothing compiles
+    after warmup; the image-size sweep runs on images only (skipped, with a note, on audio)."""
+    p = _bench(tmp_path, recipe)
+    assert "Serving benchmark" in p.stdout and "Targets:" in p.stdout
+    res = json.loads((tmp_path / "bench.json").read_text())
+    cfg = res["config"]["workload"]
+    n, new = cfg["num_requests"], cfg["max_new_tokens"]
+    assert set(res["systems"]) == set(SYSTEMS)
+    for name, m in res["systems"].items():
+        assert m["completed"] == n and m["total_output_tokens"] == n * new, (name, m)
+    assert len({m["total_input_tokens"] for m in res["systems"].values()}) == 1  # the same prompts, media tokens too
+    assert res["systems"]["mmzoo-xla"]["graphs_compiled_after_warmup"] == 0
+    assert res["agreement"]["mmzoo-eager"] == {"mmzoo-xla": n, "transformers": n}  # greedy fp32: same tokens
+    assert res["targets"][-1]["pass"] is True  # 0 graphs compiled after warmup
+    assert res["decode_profile"]["graphs_compiled"] == 0
+    if media == "image":
+        assert [r["image"] for r in res["image_sweep"]] == [f"{w}x{h}" for w, h in res["config"]["sweep"]["image_sizes"]]
+        assert all(r[s] > 0 for r in res["image_sweep"] for s in SYSTEMS)
+    else:
+        assert res["image_sweep"] == [] and res["config"]["sweep"]["image_sizes"]
+        assert "TTFT vs image size: skipped" in p.stdout and any("skipped" in note for note in res["notes"])

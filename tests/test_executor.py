@@ -212,8 +212,8 @@ def test_executor_leaves_the_callers_module_as_it_was(qwen2_vl_ckpt, image_files
     from mmzoo.engine import build_model
     from mmzoo.executor.xla import XLAExecutor
 
-    cfg = mmzoo.compose(values={"checkpoint": str(qwen2_vl_ckpt)})
-    _, model = build_model(cfg)
+    cfg = mmzoo.compose(["model.encoder.attention=pallas"], values={"checkpoint": str(qwen2_vl_ckpt)})
+    _, model = build_model(cfg)  # a Pallas backend (it holds JAX entry points) is shared by the copy, not copied
     before = {k: v.clone() for k, v in model.state_dict().items()}
     exe = XLAExecutor(max_model_len=64, max_batch=1, warmup=False, prefill_buckets=[64], progress=False)
     exe.setup(model)

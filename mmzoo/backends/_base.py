@@ -40,6 +40,11 @@ class AttentionBackend:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
+    def __deepcopy__(self, memo) -> "AttentionBackend":
+        # a backend is a shared, stateless strategy (its settings fixed at construction): a copied
+        # module keeps using the same one (an executor copies the modules it is given)
+        return self
+
     def with_mesh(self, mesh) -> "AttentionBackend":
         """This backend for tensors split over a device mesh (an executor's
         :class:`~mmzoo.executor._sharding.DeviceMesh`): itself when GSPMD can partition its ops (the

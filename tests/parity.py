@@ -56,3 +56,18 @@ def reference(ckpt, hf_class: str, kind: str, files: list[str], counts, prompt, 
         ids = inputs["input_ids"][0].tolist()
         out[n] = {"ids": ids, "logits": logits, "tokens": gen[0, len(ids):].tolist()}
     return out
+
+
+def assert_refused(engine, cases, prompt: str, *, kind: str, files: list[str]) -> None:
+    """Every ``(request fields, message pattern)`` in ``cases`` is refused at prepare time with a
+    :class:`MmzooError` matching it; and token ids with one placeholder for two items are refused."""
+    import pytest
+
+    from mmzoo.errors import MmzooError
+
+    for kwargs, match in cases:
+        with pytest.raises(MmzooError, match=match):
+            engine.prepare(mmzoo.Request(**{"prompt": prompt, **kwargs}))
+    pad = getattr(engine.config, f"{kind}_token_id")
+    with pytest.raises(MmzooError, match=rf"prompt_token_ids has 1 {kind} placeholder runs .* but 2 {kind}s"):
+        engine.prepare(mmzoo.Request(prompt_token_ids=[5, pad, 6], **{f"{kind}s": files[:2]}))

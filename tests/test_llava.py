@@ -15,7 +15,6 @@ import torch
 
 import mmzoo
 import parity
-from mmzoo.errors import MmzooError
 from mmzoo.fixtures import make_tiny_llava
 from mmzoo.models import Llava
 
@@ -98,12 +97,7 @@ def test_bad_input(eager, image_files, tmp_path):
         (dict(audios=["a.wav"]), r"model=llava does not take audios"),
         (dict(videos=[image_files[:2]]), r"model=llava does not take videos"),
     ]
-    for kwargs, match in cases:
-        with pytest.raises(MmzooError, match=match):
-            eager.prepare(mmzoo.Request(**{"prompt": PROMPT, **kwargs}))
-    pad = eager.config.image_token_id
-    with pytest.raises(MmzooError, match=r"prompt_token_ids has 1 image placeholder runs .* but 2 images"):
-        eager.prepare(mmzoo.Request(prompt_token_ids=[5, pad, 6], images=image_files[:2]))
+    parity.assert_refused(eager, cases, PROMPT, kind="image", files=image_files)
 
 
 def test_cli(ckpt, image_files, tmp_path):

@@ -14,7 +14,6 @@ import torch
 
 import mmzoo
 import parity
-from mmzoo.errors import MmzooError
 from mmzoo.fixtures import make_audio, write_wav
 from mmzoo.models import Qwen2Audio
 
@@ -106,12 +105,7 @@ def test_bad_input(eager, audio_files, tmp_path):
         (dict(audio_embeds=torch.zeros(6, 64), audio_lengths=[6, 0]), r"audio_lengths must be a 1-D list of positive"),
         (dict(audio_embeds=[torch.zeros(6, 64)], audio_lengths=[6]), r"audio_lengths splits a 2-D audio_embeds"),
     ]
-    for kwargs, match in cases:
-        with pytest.raises(MmzooError, match=match):
-            eager.prepare(mmzoo.Request(**{"prompt": PROMPT, **kwargs}))
-    pad = eager.config.audio_token_id
-    with pytest.raises(MmzooError, match=r"prompt_token_ids has 1 audio placeholder runs .* but 2 audios"):
-        eager.prepare(mmzoo.Request(prompt_token_ids=[5, pad, 6], audios=audio_files[:2]))
+    parity.assert_refused(eager, cases, PROMPT, kind="audio", files=audio_files)
 
 
 def test_cli(ckpt, audio_files, tmp_path):

@@ -99,6 +99,19 @@ def _write_output(o_ref, m_ref, l_ref, acc_ref):
     o_ref[...] = jnp.where(seen, acc_ref[...] / l, 0.0).astype(o_ref.dtype)
 
 
+def _tile_mask(start, shape, kv_len, q_pos):
+    """Which keys of the tile starting at key ``start`` each query row sees (``shape`` = [rows, bk]):
+    below ``kv_len`` (a partly filled cache) and at most ``q_pos`` ([rows, 1], causal); None: all."""
+    if kv_len is None and q_pos is None:
+        return None
+    kv_idx = start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)  # [rows, bk]
+    visible = None if kv_len is None else kv_idx < kv_len
+    if q_pos is not None:
+        rule = kv_idx <= q_pos
+        visible = rule if visible is None else visible & rule
+    return visible
+
+
 def _flash_kernel(kv_len_ref, kv_stop_ref, *refs, block_kv, num_q_blocks, scale, causal,
                   segments, mask_length):
     q_ref, k_ref, v_ref, *refs = refs
@@ -115,15 +128,8 @@ def _flash_kernel(kv_len_ref, kv_stop_ref, *refs, block_kv, num_q_blocks, scale,
 
     @pl.when(start < kv_stop_ref[bi * num_q_blocks + qi])
     def _():
-        shape = (q_ref.shape[0], block_kv)
-        visible = None
-        if causal or mask_length:
-            kv_idx = start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)  # [bq, bk]
-        if mask_length:
-            visible = kv_idx < kv_len_ref[bi]
-        if causal:
-            rule = kv_idx <= q_pos_ref[:, :1]
-            visible = rule if visible is None else visible & rule
+        visible = _tile_mask(start, (q_ref.shape[0], block_kv), kv_len_ref[bi] if mask_length else None,
+                             q_pos_ref[:, :1] if causal else None)
         if segments:
             rule = q_seg_ref[:, :1] == kv_seg_ref[:1, :]  # [bq, 1] == [1, bk]
             visible = rule if visible is None else visible & rule
@@ -283,15 +289,8 @@ def _decode_kernel(kv_len_ref, kv_stop_ref, q_ref, k_ref, v_ref, *refs, block_kv
 
     @pl.when(start < kv_stop_ref[bi])
     def _():
-        shape = (q_ref.shape[0], block_kv)
-        visible = None
-        if causal or mask_length:
-            kv_idx = start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)  # [rows, bk]
-        if mask_length:
-            visible = kv_idx < kv_len_ref[bi]
-        if causal:
-            rule = kv_idx <= q_pos_ref[:, :1]
-            visible = rule if visible is None else visible & rule
+        visible = _tile_mask(start, (q_ref.shape[0], block_kv), kv_len_ref[bi] if mask_length else None,
+                             q_pos_ref[:, :1] if causal else None)
         _online_softmax_step(q_ref[...], k_ref[...], v_ref[...], visible, m_ref, l_ref, acc_ref, scale)
 
     @pl.when(kj == pl.num_programs(2) - 1)

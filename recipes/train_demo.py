@@ -39,7 +39,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -50,6 +49,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mmzoo.demo import shapes
+from mmzoo.files import atomic_path
 from mmzoo.paths import ASSETS
 from mmzoo.fixtures import generation_config, qwen2_vl_config, save_processor, synthetic_corpus, train_tokenizer
 
@@ -237,71 +237,67 @@ def train(cfg: DictConfig) -> Path:
     # mmzoo.fixtures tokenizer, with this data's words added so that each answer is one token
     tokenizer = train_tokenizer(int(cfg.tokenizer_vocab_size), corpus=synthetic_corpus() + shapes.tokenizer_corpus())
     config = qwen2_vl_config(tokenizer, **OmegaConf.to_container(cfg.model))
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    processor = save_processor(tmp, tokenizer, config, min_pixels=int(cfg.processor.min_pixels),
-                               max_pixels=int(cfg.processor.max_pixels), default_system=None)
+    with atomic_path(out, directory=True) as tmp:  # a cut-off run leaves the shipped checkpoint in place
+        processor = save_processor(tmp, tokenizer, config, min_pixels=int(cfg.processor.min_pixels),
+                                   max_pixels=int(cfg.processor.max_pixels), default_system=None)
 
-    torch.manual_seed(int(cfg.seed))
-    model = Qwen2VLForConditionalGeneration(config)
-    model.generation_config = generation_config(tokenizer)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"train_demo: {params / 1e6:.2f}M parameters, {cfg.steps} steps of {cfg.batch_size}", file=sys.stderr)
+        torch.manual_seed(int(cfg.seed))
+        model = Qwen2VLForConditionalGeneration(config)
+        model.generation_config = generation_config(tokenizer)
+        params = sum(p.numel() for p in model.parameters())
+        print(f"train_demo: {params / 1e6:.2f}M parameters, {cfg.steps} steps of {cfg.batch_size}", file=sys.stderr)
 
-    aux = VisionProbe(model, config, cfg.aux)
-    t_train = time.perf_counter()
-    if int(cfg.vision.steps):
-        pretrain_vision(model, processor, aux, cfg.vision, shapes.iter_conversations(shapes.VISION_SEED + int(cfg.seed)))
-    vision_s = time.perf_counter() - t_train
+        aux = VisionProbe(model, config, cfg.aux)
+        t_train = time.perf_counter()
+        if int(cfg.vision.steps):
+            pretrain_vision(model, processor, aux, cfg.vision, shapes.iter_conversations(shapes.VISION_SEED + int(cfg.seed)))
+        vision_s = time.perf_counter() - t_train
 
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": float(cfg.weight_decay)},
-                             {"params": no_decay + list(aux.head.parameters()), "weight_decay": 0.0}],
-                            lr=float(cfg.lr), betas=(0.9, 0.98))
-    steps = int(cfg.steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(int(cfg.warmup_steps), steps))
-    stream = shapes.iter_conversations(shapes.TRAIN_SEED + int(cfg.seed))
-    model.train()
-    t0, running, running_aux = time.perf_counter(), 0.0, 0.0
-    for step in range(steps):
-        conversations = list(itertools.islice(stream, int(cfg.batch_size)))
-        batch = encode_conversations(processor, conversations)
-        loss = model(**batch).loss
-        if float(cfg.aux.weight):
-            aux_loss = aux.loss([scene for scene, _ in conversations])
-            running_aux += float(aux_loss.detach())
-            loss = loss + float(cfg.aux.weight) * aux_loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg.grad_clip))
-        opt.step()
-        sched.step()
-        running += float(loss.detach())
-        if (step + 1) % int(cfg.log_every) == 0 or step + 1 == steps:
-            n = (step % int(cfg.log_every)) + 1
-            print(f"train_demo: step {step + 1}/{steps} loss {running / n:.4f} (vision probe {running_aux / n:.4f}) "
-                  f"lr {sched.get_last_lr()[0]:.2e} {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-            running = running_aux = 0.0
-        if int(cfg.eval_every) and (step + 1) % int(cfg.eval_every) == 0 and step + 1 < steps:
-            val = accuracy(model, processor, shapes.make_examples(int(cfg.eval_examples) // 2, shapes.VALIDATION_SEED))
-            print(f"train_demo: step {step + 1} validation accuracy {_rounded(val)}", file=sys.stderr, flush=True)
-            model.train()
-    train_s = time.perf_counter() - t_train  # both phases
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
+        no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in n)]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": float(cfg.weight_decay)},
+                                 {"params": no_decay + list(aux.head.parameters()), "weight_decay": 0.0}],
+                                lr=float(cfg.lr), betas=(0.9, 0.98))
+        steps = int(cfg.steps)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(int(cfg.warmup_steps), steps))
+        stream = shapes.iter_conversations(shapes.TRAIN_SEED + int(cfg.seed))
+        model.train()
+        t0, running, running_aux = time.perf_counter(), 0.0, 0.0
+        for step in range(steps):
+            conversations = list(itertools.islice(stream, int(cfg.batch_size)))
+            batch = encode_conversations(processor, conversations)
+            loss = model(**batch).loss
+            if float(cfg.aux.weight):
+                aux_loss = aux.loss([scene for scene, _ in conversations])
+                running_aux += float(aux_loss.detach())
+                loss = loss + float(cfg.aux.weight) * aux_loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg.grad_clip))
+            opt.step()
+            sched.step()
+            running += float(loss.detach())
+            if (step + 1) % int(cfg.log_every) == 0 or step + 1 == steps:
+                n = (step % int(cfg.log_every)) + 1
+                print(f"train_demo: step {step + 1}/{steps} loss {running / n:.4f} (vision probe {running_aux / n:.4f}) "
+                      f"lr {sched.get_last_lr()[0]:.2e} {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+                running = running_aux = 0.0
+            if int(cfg.eval_every) and (step + 1) % int(cfg.eval_every) == 0 and step + 1 < steps:
+                val = accuracy(model, processor, shapes.make_examples(int(cfg.eval_examples) // 2, shapes.VALIDATION_SEED))
+                print(f"train_demo: step {step + 1} validation accuracy {_rounded(val)}", file=sys.stderr, flush=True)
+                model.train()
+        train_s = time.perf_counter() - t_train  # both phases
 
-    model.eval()
-    summary = {"steps": steps, "batch_size": int(cfg.batch_size), "vision_steps": int(cfg.vision.steps),
-               "parameters": params, "vision_seconds": round(vision_s, 1), "train_seconds": round(train_s, 1),
-               "config": OmegaConf.to_container(cfg, resolve=True)}
-    if int(cfg.eval_examples):
-        val = accuracy(model, processor, shapes.make_examples(int(cfg.eval_examples), shapes.VALIDATION_SEED))
-        summary["validation_accuracy"] = _rounded(val)
-        print(f"train_demo: validation accuracy {summary['validation_accuracy']}", file=sys.stderr)
-    model.save_pretrained(tmp)
-    (tmp / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+        model.eval()
+        summary = {"steps": steps, "batch_size": int(cfg.batch_size), "vision_steps": int(cfg.vision.steps),
+                   "parameters": params, "vision_seconds": round(vision_s, 1), "train_seconds": round(train_s, 1),
+                   "config": OmegaConf.to_container(cfg, resolve=True)}
+        if int(cfg.eval_examples):
+            val = accuracy(model, processor, shapes.make_examples(int(cfg.eval_examples), shapes.VALIDATION_SEED))
+            summary["validation_accuracy"] = _rounded(val)
+            print(f"train_demo: validation accuracy {summary['validation_accuracy']}", file=sys.stderr)
+        model.save_pretrained(tmp)
+        (tmp / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"train_demo: wrote {out} in {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
     return out
 

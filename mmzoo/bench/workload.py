@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from mmzoo.errors import MmzooError
+from mmzoo.files import atomic_path
 
 CKPT_VERSION = 1  # bump when a make_tiny_* fixture's output changes, to rebuild cached benchmark checkpoints
 AUDIO_RATE = 16000  # Hz: the clips' rate when the processor names none
@@ -122,17 +121,13 @@ def _build(path: Path, fam: Family, sizes: dict) -> None:
     import mmzoo.fixtures
 
     say(f"building a random {fam.hf_class} checkpoint at {path}")
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        getattr(mmzoo.fixtures, fam.fixture)(tmp, **sizes)
+        with atomic_path(path, directory=True) as tmp:
+            getattr(mmzoo.fixtures, fam.fixture)(tmp, **sizes)
     except TypeError as e:  # a size name the family's fixture does not take
-        shutil.rmtree(tmp, ignore_errors=True)
         raise MmzooError(f"checkpoint.random: {e}; it holds the keyword arguments of mmzoo.fixtures.{fam.fixture} "
                          f"(conf/bench.yaml's are Qwen2-VL's: a recipe for another family sets those it lacks "
                          f"to null, as recipes/bench_llava_smoke.yaml does)") from None
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
 
 
 # ---------------------------------------------------------------- prompts and requests

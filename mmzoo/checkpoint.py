@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from mmzoo.config import read_config
@@ -25,12 +25,12 @@ def read_safetensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``.
 
     The shards are read with safetensors itself; transformers' sharded loader loads into a
-    transformers model, and the names here are mapped by the family before strict loading."""
+    transformers model, and the names here are mapped by the family before strict loading. A
+    truncated or corrupt file, or a malformed index, is an :class:`MmzooError` naming the file."""
     root = Path(checkpoint)
     index, single = root / "model.safetensors.index.json", root / "model.safetensors"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        files = _shards(index)
     elif single.is_file():
         files = [single.name]
     else:
@@ -41,11 +41,38 @@ def read_safetensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     for name in files:
         path = root / name
         if not path.is_file():
-            raise MmzooError(f"checkpoint shard {path} listed in model.safetensors.index.json does not exist")
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+            raise MmzooError(f"checkpoint shard {path} listed in {index.name} does not exist")
+        tensors.update(_read_file(path))
     return tensors
+
+
+def _shards(index: Path) -> list[str]:
+    """The shard file names an index's ``weight_map`` lists (tensor name -> file name in the
+    checkpoint directory), refusing a malformed index and any file outside the directory."""
+    try:
+        raw = json.loads(index.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise MmzooError(f"{index} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or "weight_map" not in raw:
+        raise MmzooError(f"{index} has no weight_map (tensor name -> shard file name)")
+    weight_map = raw["weight_map"]
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise MmzooError(f"{index}: weight_map must map each tensor name to a shard file name, "
+                         f"got {json.dumps(weight_map)[:80]}")
+    for key, name in weight_map.items():
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise MmzooError(f"{index}: tensor {key} is in {name!r}, outside the checkpoint directory")
+    return sorted(set(weight_map.values()))
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; a truncated or corrupt one is an error naming it."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise MmzooError(f"checkpoint file {path} is not a readable safetensors file ({e}): it may be "
+                         f"truncated or corrupt") from None
 
 
 def load_strict(module: nn.Module, state_dict: dict[str, torch.Tensor], *, source: str) -> None:

@@ -49,8 +49,10 @@ def _read_config(path: str, mtime: float):
     cfg_path = root / "config.json"
     try:
         raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # not JSON, or not UTF-8
         raise MmzooError(f"{cfg_path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise MmzooError(f"{cfg_path} is not a JSON object (it holds a {type(raw).__name__})")
     archs = raw.get("architectures") or []
     if not archs:
         raise MmzooError(f"{cfg_path} names no architectures")

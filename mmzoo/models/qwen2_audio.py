@@ -5,17 +5,15 @@ Chu et al., 2024, "Qwen2-Audio Technical Report" (arXiv:2407.10759). Checkpoints
 the ``whisper`` encoder pooled x2, the ``audio_projector`` adapter, the ``qwen2`` LM).
 
 Each clip is resampled to the feature extractor's rate (16 kHz), turned into a log-mel window of
-fixed length (30 s: 3000 frames; longer clips are cut), encoded to 1500 positions, pooled to 750
-and projected; a clip of ``L`` valid mel frames fills ``((L - 1) // 2 + 1) // 2`` placeholder
-tokens, the rest of its rows are dropped. The tower runs on whole clips: its input rows are clips
-at the fixed window, which the XLA executor pads to a bucket of clip counts (the encoder's
-``rows_per_item``); each clip's keys are masked to its valid length, so neither
-padding frames nor padding clips change the result.
+fixed length (30 s: 3000 frames; a longer clip is refused, where transformers' processor would cut
+it), encoded to 1500 positions, pooled to 750 and projected; a clip of ``L`` valid mel frames fills
+``((L - 1) // 2 + 1) // 2`` placeholder tokens, the rest of its rows are dropped. The tower runs
+on whole clips: its input rows are clips at the fixed window, which the XLA executor pads to a
+bucket of clip counts (the encoder's ``rows_per_item``); each clip's keys are masked to its valid
+length, so neither padding frames nor padding clips change the result.
 """
 
 from __future__ import annotations
-
-import sys
 
 import numpy as np
 import torch
@@ -65,10 +63,12 @@ class Qwen2Audio(Family):
         checkpoint's feature extractor as Qwen2-Audio's processor calls it."""
         fe = processor.feature_extractor
         clips = load_audios(items, fe.sampling_rate)
-        for i, clip in enumerate(clips):
+        for i, clip in enumerate(clips):  # the extractor would cut it to its window without a word
             if clip.shape[0] > fe.n_samples:
-                print(f"mmzoo: note: audios[{i}] is {clip.shape[0] / fe.sampling_rate:.1f} s; the model hears only "
-                      f"its first {fe.n_samples / fe.sampling_rate:.0f} s", file=sys.stderr)
+                raise MmzooError(f"audios[{i}] is {clip.shape[0] / fe.sampling_rate:.2f} s long ({clip.shape[0]} "
+                                 f"samples at {fe.sampling_rate} Hz); the audio encoder hears at most "
+                                 f"{fe.n_samples / fe.sampling_rate:g} s ({fe.n_samples} samples): split it into "
+                                 f"shorter clips")
         out = fe(clips, sampling_rate=fe.sampling_rate, padding="max_length", return_attention_mask=True,
                  return_tensors="np")
         feats, frames = np.asarray(out["input_features"], np.float32), np.asarray(out["attention_mask"]).sum(-1)

@@ -12,6 +12,9 @@ Two kernels, one online-softmax step (Dao et al., "FlashAttention", 2022):
 Both take the masking arguments of :mod:`mmzoo.backends` as JAX arrays (``None`` when absent)
 and skip the kv blocks that no query of a tile can see: the index map clamps to the last
 needed block (no copy on TPU) and ``pl.when`` skips the arithmetic (also in interpret mode).
+In the block that holds that bound, the values past it are cut to zeros by selection
+(:func:`_fold_tile`): a KV cache row holds anything past a sequence's end, and a zero softmax
+weight times NaN is NaN.
 
 The same source compiles with Mosaic on TPU (``interpret=False``) and runs through Pallas'
 HLO interpreter anywhere else (``interpret=True``). Layouts follow the TPU's (8, 128) tiling:
@@ -74,9 +77,11 @@ def _online_softmax_step(q, k, v, visible, m_ref, l_ref, acc_ref, scale):
     """Fold one kv block into the running max ``m``, sum ``l`` and output ``acc`` of each row.
 
     ``m``/``l`` are kept replicated over 128 lanes (``[rows, 128]``), the TPU-native layout of a
-    per-row scalar. Masked scores become MASK_VALUE; while a row has seen no visible key its
-    ``m`` stays exactly MASK_VALUE and the junk it sums is wiped (``alpha == 0``) by the first
-    visible key, or dropped at the end by :func:`_write_output`.
+    per-row scalar. Masked scores become MASK_VALUE (a selection, so a NaN key never counts);
+    while a row has seen no visible key its ``m`` stays exactly MASK_VALUE and the junk it sums is
+    wiped (``alpha == 0``) by the first visible key, or dropped at the end by
+    :func:`_write_output`. Masked values meet zero weights in ``p @ v``: ``v`` must be finite
+    wherever no row of the tile looks (:func:`_fold_tile` cuts the keys past them all).
     """
     s = jax.lax.dot_general(q, k, _NT_DIMS, preferred_element_type=jnp.float32) * scale  # [r, bk]
     if visible is not None:
@@ -90,6 +95,29 @@ def _online_softmax_step(q, k, v, visible, m_ref, l_ref, acc_ref, scale):
                              preferred_element_type=jnp.float32)  # [r, d]
     acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
     m_ref[...] = m_next
+
+
+def _fold_tile(q_ref, k_ref, v_ref, visible, start, stop, block_kv, m_ref, l_ref, acc_ref, scale):
+    """Fold the kv tile starting at key ``start`` into the accumulators if any of its keys is below
+    ``stop``, the key from which on no query row of the tile looks (``visible()``: the tile's mask).
+
+    The tile that holds ``stop`` gets its values at and past it cut to zeros, by selection: they
+    would meet zero weights in ``p @ v``, and a cache row past a sequence's end may hold anything
+    (0 * NaN is NaN). Only that one tile pays for the cut; the tiles below ``stop`` are taken as
+    they are and the ones past it are skipped.
+    """
+    def fold(v):
+        _online_softmax_step(q_ref[...], k_ref[...], v, visible(), m_ref, l_ref, acc_ref, scale)
+
+    @pl.when(start + block_kv <= stop)
+    def _():
+        fold(v_ref[...])
+
+    @pl.when((start < stop) & (start + block_kv > stop))
+    def _():
+        v = v_ref[...]  # [bk, d]
+        below = jax.lax.broadcasted_iota(jnp.int32, v.shape, 0) < stop - start
+        fold(jnp.where(below, v, jnp.zeros_like(v)))
 
 
 def _write_output(o_ref, m_ref, l_ref, acc_ref):
@@ -126,14 +154,16 @@ def _flash_kernel(kv_len_ref, kv_stop_ref, *refs, block_kv, num_q_blocks, scale,
 
     start = kj * block_kv
 
-    @pl.when(start < kv_stop_ref[bi * num_q_blocks + qi])
-    def _():
-        visible = _tile_mask(start, (q_ref.shape[0], block_kv), kv_len_ref[bi] if mask_length else None,
-                             q_pos_ref[:, :1] if causal else None)
+    def visible():
+        mask = _tile_mask(start, (q_ref.shape[0], block_kv), kv_len_ref[bi] if mask_length else None,
+                          q_pos_ref[:, :1] if causal else None)
         if segments:
             rule = q_seg_ref[:, :1] == kv_seg_ref[:1, :]  # [bq, 1] == [1, bk]
-            visible = rule if visible is None else visible & rule
-        _online_softmax_step(q_ref[...], k_ref[...], v_ref[...], visible, m_ref, l_ref, acc_ref, scale)
+            mask = rule if mask is None else mask & rule
+        return mask
+
+    _fold_tile(q_ref, k_ref, v_ref, visible, start, kv_stop_ref[bi * num_q_blocks + qi], block_kv,
+               m_ref, l_ref, acc_ref, scale)
 
     @pl.when(kj == pl.num_programs(3) - 1)
     def _():
@@ -287,11 +317,11 @@ def _decode_kernel(kv_len_ref, kv_stop_ref, q_ref, k_ref, v_ref, *refs, block_kv
 
     start = kj * block_kv
 
-    @pl.when(start < kv_stop_ref[bi])
-    def _():
-        visible = _tile_mask(start, (q_ref.shape[0], block_kv), kv_len_ref[bi] if mask_length else None,
-                             q_pos_ref[:, :1] if causal else None)
-        _online_softmax_step(q_ref[...], k_ref[...], v_ref[...], visible, m_ref, l_ref, acc_ref, scale)
+    def visible():
+        return _tile_mask(start, (q_ref.shape[0], block_kv), kv_len_ref[bi] if mask_length else None,
+                          q_pos_ref[:, :1] if causal else None)
+
+    _fold_tile(q_ref, k_ref, v_ref, visible, start, kv_stop_ref[bi], block_kv, m_ref, l_ref, acc_ref, scale)
 
     @pl.when(kj == pl.num_programs(2) - 1)
     def _():

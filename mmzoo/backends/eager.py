@@ -24,6 +24,6 @@ class EagerAttention(AttentionBackend):
             scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.matmul(probs, v)  # [b, hkv, groups * sq, d]
-        if mask is not None:
-            out = out * mask.any(dim=-1, keepdim=True).to(out.dtype)  # rows that see nothing -> 0
+        if mask is not None:  # rows that see nothing -> 0, by selection: their out averages unseen values
+            out = torch.where(mask.any(dim=-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=out.device))
         return unfold(out)

@@ -110,7 +110,8 @@ def prefill_step(model, cache, ids: torch.Tensor, pos: torch.Tensor, index: torc
                  logits_index: torch.Tensor, media: torch.Tensor, top_k: torch.Tensor | None = None,
                  *floats: torch.Tensor) -> torch.Tensor:
     """Merge token and media embeddings of one padded prompt ``[1, s]``, write its keys and values
-    into ``slot``, and pick the first token from the logits at ``logits_index`` -> ``[1]``."""
+    into ``slot`` (its whole row reset first: nothing of its previous sequence stays), and pick the
+    first token from the logits at ``logits_index`` -> ``[1]``."""
     s = ids.shape[1]
     view = cache.prefill(slot, torch.arange(s, device=slot.device)[None])
     logits = model(ids, pos, mm_embeds=media, mm_index=index, cache=view, logits_index=logits_index)

@@ -4,11 +4,19 @@ The cache holds ``[num_slots, kv_heads, max_len, head_dim]`` keys and values per
 holds one sequence; writing at explicit positions keeps every shape static, so one compiled
 graph serves every step. Attention layers see a *view* with ``update(layer_idx, k, v)``:
 
-* :class:`PrefillView` writes a prompt's keys into its slot and lets the prompt attend to itself.
+* :class:`PrefillView` writes a prompt's keys into its slot and lets the prompt attend to itself;
+  :meth:`KVCache.prefill` first resets the slot's whole row in every layer, so nothing of the
+  slot's previous sequence is left (see below).
 * :class:`DecodeView` writes one (or a few) new tokens per slot and attends over the first
   ``kv_len`` positions of every row (the whole row by default); the causal rule with
   ``q_positions`` hides everything past each sequence's length. An executor that knows no
   sequence is longer than ``kv_len`` passes it, so attention reads only that part of the cache.
+
+Hidden positions are still read: a dense attention (sdpa, eager) multiplies their values by zero
+weights, and ``0 * NaN`` is NaN. So a slot must never hold another sequence's keys and values
+past its own: a previous request whose activations turned non-finite would otherwise reach every
+later request in that slot. The reset is one fill of the slot's row per layer at prefill (in the
+prefill graph, at a static shape); no decode step pays for it.
 
 With ``keys_transposed`` the keys are held as ``[num_slots, kv_heads, head_dim, max_len]``. An
 attention that multiplies ``q @ k^T`` then finds ``k^T`` already in memory: XLA's CPU dot wants
@@ -60,8 +68,17 @@ class KVCache:
             self.k[layer].index_put_(index, k)
         self.v[layer].index_put_(index, v)
 
+    def reset(self, slots: torch.Tensor):
+        """Zero every key and value of ``slots [b]`` in every layer: nothing of the sequences that
+        held them is left. A fill over the slot axis, at a static shape."""
+        for k, v in zip(self.k, self.v):
+            k.index_fill_(0, slots, 0)
+            v.index_fill_(0, slots, 0)
+
     def prefill(self, slots: torch.Tensor, positions: torch.Tensor) -> "PrefillView":
-        """A view writing ``[b, s]`` prompt positions into ``slots [b]``."""
+        """Reset ``slots [b]`` (:meth:`reset`) and return a view writing ``[b, s]`` prompt positions
+        into them."""
+        self.reset(slots)
         return PrefillView(self, slots, positions)
 
     def decode(self, positions: torch.Tensor, kv_len: int | None = None) -> "DecodeView":
@@ -72,7 +89,8 @@ class KVCache:
 
 
 class PrefillView:
-    """Write a fresh prompt into its slots; attention uses the prompt's own keys."""
+    """Write a fresh prompt into its slots (reset by :meth:`KVCache.prefill`); attention uses the
+    prompt's own keys."""
 
     def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor):
         self.cache, self.slots, self.positions = cache, slots, positions

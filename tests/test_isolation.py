@@ -1,0 +1,173 @@
+"""No request can touch another: a sequence's tokens depend only on its own inputs, whatever ran in
+its KV-cache slot before and whatever shares its decode batch.
+
+A slot is poisoned directly (NaN in every key and value of every layer, written through the host
+so no graph is compiled; the XLA executor with a matmul backend holds the keys transposed, the
+slot is the first axis in both layouts), or by a request whose embeddings are huge finite values;
+then good requests that land in that slot, or decode beside it, must give exactly the token ids
+they gave alone on the fresh engine. Each engine serves every test of its parameters (module
+fixtures), at a small ``max_model_len`` and a few tokens.
+
+The LMs' RMSNorm (float32 statistics) maps any finite residual to bounded activations, so the huge
+request leaves finite keys and values in its slot with these models; the direct poisoning is what
+reaches the masked positions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmzoo
+from mmzoo.backends import resolve
+
+MAX_LEN = 64
+XLA = dict(prefill_buckets=[16, 32], min_decode_kv=32, min_encoder_rows=16, max_encoder_rows=16,
+           on_recompile="error", progress=False)
+GEN = {"max_new_tokens": 4, "ignore_eos": True}
+# token ids of ordinary pieces (no special or media token): 5 and 12 tokens, both in the 16 bucket,
+# so the prompt fills only the start of its slot and decode reads past it
+PROMPTS = [[11, 42, 97, 230, 301], [5, 17, 33, 81, 120, 7, 9, 250, 300, 12, 44, 61]]
+BACKENDS = ["sdpa", "pallas", "eager"]
+
+
+def _load(ckpt, executor: str, attention: str, max_batch: int):
+    extra = XLA if executor == "xla" else {}
+    return mmzoo.load(ckpt, executor=executor, attention=attention, max_batch=max_batch, max_model_len=MAX_LEN,
+                      towers=False, **extra)
+
+
+def _request(ids, **kw):
+    return mmzoo.Request(prompt_token_ids=ids, **{**GEN, **kw})
+
+
+def _tokens(engine, requests) -> list[list[int]]:
+    results = engine.generate(requests)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    if engine.executor.name == "xla":
+        assert all(r.graphs_compiled_after_warmup == 0 for r in results)
+    return [r.token_ids for r in results]
+
+
+def poison(executor, slot: int) -> None:
+    """NaN in every key and value of ``slot`` in every layer, through the host (no graph compiled)."""
+    cache = executor.cache
+    for held in (cache.k, cache.v):
+        for i, t in enumerate(held):
+            host = t.cpu().clone()
+            host[slot] = float("nan")  # the slot is the first axis of keys (either layout) and values
+            held[i] = host.to(t.device)
+
+
+def huge_request(engine, **kw):
+    """A request whose embeddings are huge finite values (3e38; their squares overflow float32)."""
+    return mmzoo.Request(inputs_embeds=torch.full((6, engine.model.lm.dim), 3e38), **{**GEN, **kw})
+
+
+@pytest.fixture(scope="module", params=[(e, a) for e in ("eager", "xla") for a in BACKENDS],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def single(request, qwen2_vl_ckpt):
+    """An engine with one slot (every request reuses it) and each prompt's tokens alone on it fresh."""
+    executor, attention = request.param
+    engine = _load(qwen2_vl_ckpt, executor, attention, max_batch=1)
+    if executor == "xla":  # both key layouts are covered: the matmul backends' keys are held transposed
+        assert engine.executor.cache.keys_transposed == (attention != "pallas")
+    return engine, [_tokens(engine, [_request(p)])[0] for p in PROMPTS]
+
+
+def test_a_huge_request_does_not_reach_the_next_request(single):
+    engine, alone = single
+    (huge,) = engine.generate([huge_request(engine)])
+    assert huge.error is None and len(huge.token_ids) == GEN["max_new_tokens"]
+    assert _tokens(engine, [_request(p) for p in PROMPTS]) == alone
+
+
+def test_a_poisoned_slot_does_not_reach_the_next_request(single):
+    engine, alone = single
+    for ids, want in zip(PROMPTS, alone):
+        poison(engine.executor, 0)
+        assert _tokens(engine, [_request(ids)]) == [want]
+
+
+@pytest.fixture(scope="module", params=["eager-sdpa", "eager-pallas", "eager-eager", "xla-sdpa", "xla-pallas"])
+def batched(request, qwen2_vl_ckpt):
+    """An engine with two slots, and each prompt's tokens alone on it fresh (in slot 0)."""
+    engine = _load(qwen2_vl_ckpt, *request.param.split("-"), max_batch=2)
+    return engine, [_tokens(engine, [_request(p, max_new_tokens=6)])[0] for p in PROMPTS]
+
+
+def test_a_huge_neighbour_in_the_decode_batch(batched):
+    engine, alone = batched
+    got = _tokens(engine, [_request(PROMPTS[1], max_new_tokens=6), huge_request(engine, max_new_tokens=2),
+                           _request(PROMPTS[0], max_new_tokens=6)])
+    assert got[0] == alone[1] and got[2] == alone[0]
+
+
+def test_a_poisoned_neighbour_in_the_decode_batch(batched, monkeypatch):
+    """A long request decodes beside one whose slot turns NaN right after its prefill; the next
+    request then takes that slot, beside the long one still decoding."""
+    engine, alone = batched
+    exe = engine.executor
+    prefill = exe.prefill
+
+    def prefill_then_poison(inputs, *args, **kwargs):
+        token = prefill(inputs, *args, **kwargs)
+        if inputs.slot == 1 and not poisoned:
+            poison(exe, 1)
+            poisoned.append(inputs.slot)
+        return token
+
+    poisoned = []
+    monkeypatch.setattr(exe, "prefill", prefill_then_poison)
+    long, short, after = _request(PROMPTS[1], max_new_tokens=6), _request(PROMPTS[0], max_new_tokens=2), \
+        _request(PROMPTS[0], max_new_tokens=6)
+    got = _tokens(engine, [long, short, after])
+    assert poisoned == [1]
+    assert got[0] == alone[1] and got[2] == alone[0]
+
+
+# ---------------------------------------------------------------- the backends alone
+
+def _qkv(b=2, hq=4, hkv=2, sq=1, skv=256, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hq, sq, d, generator=g), torch.randn(b, hkv, skv, d, generator=g),
+            torch.randn(b, hkv, skv, d, generator=g))
+
+
+def _poisoned(x, visible):
+    """``x [b, h, s, d]`` with NaN at every key position where ``visible [b, s]`` is False."""
+    return torch.where(visible[:, None, :, None], x, torch.full((), float("nan")))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_row_that_sees_nothing_is_zeros_whatever_the_values(backend):
+    """The contract's zeros for a query row with no visible key, chosen by selection: the values
+    it does not see (NaN here) never reach it."""
+    attn = resolve(backend)
+    q, k, v = _qkv()
+    lengths = torch.tensor([0, 100])  # row 0 sees nothing
+    nan = torch.full_like(k, float("nan"))
+    out = attn(q, nan, nan, scale=0.25, kv_lengths=lengths)[0]
+    zeros = torch.equal(out, torch.zeros_like(out))
+    assert zeros, f"{backend}: {int(out.isnan().sum())} of {out.numel()} outputs NaN"
+
+
+@pytest.mark.parametrize("sq", [1, 3])
+def test_pallas_kernels_select_away_the_keys_no_query_sees(sq):
+    """The Pallas kernels (decode for a few queries, flash for more) give the same output whatever
+    the keys and values past each sequence's last visible position hold: the KV-cache tile that
+    straddles that position is cut by selection, not by zero weights (the dense backends multiply
+    such values by zero weights, and rely on the cache never holding another request's values)."""
+    from mmzoo.backends import PallasAttention
+
+    attn, attn_flash = PallasAttention(block_kv=128), PallasAttention(block_kv=128, decode_max_q=0)  # flash: always
+    q, k, v = _qkv(sq=sq, skv=384)  # three 128-key tiles: sequence 1 reads one whole, one straddling
+    pos = torch.tensor([[40 + i for i in range(sq)], [200 + i for i in range(sq)]])
+    lengths = torch.tensor([300, 150])  # sequence 0 stops at its position, sequence 1 at its length
+    visible = torch.arange(k.shape[2])[None] < torch.minimum(lengths, pos.max(1).values + 1)[:, None]
+    for backend in (attn, attn_flash):
+        kw = dict(scale=0.25, causal=True, q_positions=pos, kv_lengths=lengths)
+        clean = backend(q, k, v, **kw)
+        got = backend(q, _poisoned(k, visible), _poisoned(v, visible), **kw)
+        same = torch.isfinite(clean).all() and torch.equal(got, clean)
+        assert same, f"{backend}: {int((got != clean).sum())} of {got.numel()} outputs changed"

@@ -12,6 +12,8 @@ hidden size, the dtype, the mmzoo version and the checkpoint path.
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 import time
 
@@ -20,27 +22,53 @@ from omegaconf import DictConfig, OmegaConf
 from mmzoo import embeds_file
 from mmzoo.cli import hydra_main
 from mmzoo.errors import MmzooError
+from mmzoo.files import check_output_path
 
 
 def run(cfg: DictConfig) -> dict:
+    """Encode every item; an item that cannot be read is named as an ``error:`` line and left out
+    (the file's metadata lists what it holds and what was skipped). Nothing is written when every
+    item fails; the file is written atomically."""
+    import torch
+
     from mmzoo.engine import build
 
-    images, videos = list(cfg.images or []), OmegaConf.to_container(cfg.videos) or []
-    audios = [str(a) for a in OmegaConf.to_container(cfg.audios) or []]
-    if not images and not videos and not audios:
+    items = {"images": [str(i) for i in cfg.images or []], "videos": OmegaConf.to_container(cfg.videos) or [],
+             "audios": [str(a) for a in OmegaConf.to_container(cfg.audios) or []]}
+    if not any(items.values()):
         raise MmzooError("nothing to encode: give images=[...], videos=[...] and/or audios=[...]")
+    check_output_path(cfg.output)
     print("mmzoo: encode", file=sys.stderr)
     engine = build(cfg, verbose=True)
     t0 = time.perf_counter()
-    tensors = engine.encode(images=[str(i) for i in images], videos=videos, audios=audios)
+    parts: dict[str, list] = {}
+    kept: dict[str, list] = {kind: [] for kind in items}
+    skipped: list[str] = []
+    for kind, values in items.items():
+        for i, item in enumerate(values):  # one item at a time: a bad one costs only itself
+            try:
+                tensors = engine.encode(**{kind: [item]})
+            except MmzooError as e:
+                msg = re.sub(rf"^{kind}\[0\]", f"{kind}[{i}]", str(e))
+                print(f"error: {msg}", file=sys.stderr)
+                skipped.append(msg)
+                continue
+            kept[kind].append(item)
+            for k, v in tensors.items():
+                parts.setdefault(k, []).append(v)
+    if not parts:
+        raise MmzooError(f"no item could be encoded ({len(skipped)} failed); nothing written")
+    tensors = {k: torch.cat(v) for k, v in parts.items()}
     secs = time.perf_counter() - t0
-    meta = {**engine.embeds_metadata(), "images": str([str(i) for i in images]), "audios": str(audios),
-            "encode_s": f"{secs:.4f}"}
+    meta = {**engine.embeds_metadata(), **{k: str(v) for k, v in kept.items()}, "encode_s": f"{secs:.4f}"}
+    if skipped:
+        meta["skipped"] = json.dumps(skipped)
     embeds_file.write(cfg.output, tensors, meta)
     shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items())
-    print(f"mmzoo: encoded {len(images)} images, {len(videos)} videos, {len(audios)} audios in {secs:.3f} s -> {cfg.output} ({shapes})",
-          file=sys.stderr)
-    return {"tensors": tensors, "encode_s": secs}
+    counts = ", ".join(f"{len(v)} {k}" for k, v in kept.items())
+    print(f"mmzoo: encoded {counts} in {secs:.3f} s -> {cfg.output} ({shapes})"
+          + (f"; {len(skipped)} skipped (errors above)" if skipped else ""), file=sys.stderr)
+    return {"tensors": tensors, "encode_s": secs, "skipped": skipped}
 
 
 main = hydra_main(run, "encode")

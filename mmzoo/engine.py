@@ -10,9 +10,11 @@ random init when ``weights=random``), and handed to the executor.
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -23,7 +25,7 @@ from mmzoo import embeds_file
 from mmzoo.checkpoint import load_strict, read_safetensors
 from mmzoo.config import read_config
 from mmzoo.errors import MmzooError, find_mmzoo_error
-from mmzoo.executor import Executor
+from mmzoo.executor import Drain, Executor
 from mmzoo.models import MultimodalLM, Tower
 from mmzoo.types import DTYPES, Prepared, Request, Result
 
@@ -48,6 +50,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.towers_fingerprint, self.dtype = towers_fingerprint, dtype
         self.allow_fingerprint_mismatch = allow_fingerprint_mismatch
+        self._lock = threading.RLock()  # one request stream at a time: the cache and compiled steps are shared
 
     @property
     def name(self) -> str:
@@ -58,7 +61,9 @@ class Engine:
         return self.model.lm.dim
 
     def prepare(self, request: Request) -> Prepared:
-        """Validate and prepare one request on the host (nothing runs on the device)."""
+        """Validate and prepare one request on the host (nothing runs on the device): the family's
+        checks, then the engine's own (token ids inside the vocabulary, the prompt and
+        ``max_new_tokens`` within ``max_model_len``)."""
         if request.embeds is not None:
             request = self._with_embeds_file(request)
         run_dtype = DTYPES[self.dtype]
@@ -68,7 +73,21 @@ class Engine:
                 request = replace(request, **{name: cast_note(value, run_dtype, name)})
         if not self.model.towers and (request.images or request.videos or request.audios):
             raise MmzooError("this engine was loaded without its encoder towers (towers=False); raw media need them")
-        return self.family.prepare(request, self.processor, hidden_size=self.hidden_size)
+        max_len = self.executor.max_model_len
+        if request.max_new_tokens >= max_len:
+            raise MmzooError(f"max_new_tokens={request.max_new_tokens} can never be reached: max_model_len={max_len} "
+                             f"holds the prompt and the generated tokens together")
+        vocab = self.model.lm.vocab_size
+        for name in ("prompt_token_ids", "stop_token_ids"):
+            ids = getattr(request, name) or []
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise MmzooError(f"{name} holds {len(bad)} ids outside the vocabulary (size {vocab}), e.g. {bad[0]}")
+        prepared = self.family.prepare(request, self.processor, hidden_size=self.hidden_size)
+        if len(prepared.input_ids) >= max_len:
+            raise MmzooError(f"the prompt is {len(prepared.input_ids)} tokens (media placeholders included); "
+                             f"max_model_len={max_len} leaves no room to generate")
+        return prepared
 
     def _with_embeds_file(self, request: Request) -> Request:
         tensors, meta = embeds_file.read(request.embeds)
@@ -95,6 +114,10 @@ class Engine:
                audios: list | None = None) -> dict[str, torch.Tensor]:
         """Run only the towers: ``image_embeds`` (+ ``image_grid_thw``), ``video_embeds`` (+ grid),
         ``audio_embeds`` (+ ``audio_lengths``, each clip's rows), the rows in placeholder order."""
+        with self._lock:
+            return self._encode(images=images, videos=videos, audios=audios)
+
+    def _encode(self, *, images, videos, audios) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for kind, items in (("image", images), ("video", videos), ("audio", audios)):
             if not items:
@@ -121,36 +144,74 @@ class Engine:
     def decode(self, token_ids: list[int]) -> str:
         return self.processor.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def generate(self, prompt: str | Request | list[Request | dict], *, images: list | None = None,
-                 videos: list | None = None, audios: list | None = None, max_new_tokens: int = 32,
-                 ignore_eos: bool = False,
-                 on_result=None) -> Result | list[Result]:
-        """Generate for one prompt (returns a :class:`Result`) or for many requests (returns a list).
+    def generate(self, prompt: str | Request | dict | list[str | Request | dict] = "", *,
+                 on_result: Callable[[Result], None] | None = None, stop: Drain | None = None,
+                 **fields: Any) -> Result | list[Result]:
+        """Generate for one request (returns a :class:`Result`) or a list of them (returns a list).
 
-        A request that fails validation gets a result with ``error`` set; the others still run.
+        A request is a :class:`Request`, a dict of its fields (the ``requests=`` file's schema) or a
+        prompt string; ``fields`` (``images=``, ``max_new_tokens=``, ``temperature=``, any Request
+        field) apply to every request given as a string or dict, as the command line's do to a
+        requests file. A single bad request raises :class:`MmzooError`; in a list it gets a result
+        with ``error`` set and the others still run.
+
+        Safe to call from several threads: calls on one engine run one after the other (the KV
+        cache and the compiled steps are the engine's). ``stop`` (:class:`~mmzoo.executor.Drain`),
+        once set, admits no more requests: the running ones finish (within its timeout) and the
+        rest come back with ``finish_reason="abort"``.
         """
         single = not isinstance(prompt, list)
-        if single:
-            reqs = [prompt if isinstance(prompt, Request) else
-                    Request(prompt=prompt, images=list(images or []), videos=list(videos or []),
-                            audios=list(audios or []), max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, id=0)]
-        else:
-            reqs = [r if isinstance(r, Request) else Request(**{"id": i, **r}) for i, r in enumerate(prompt)]
-        prepared, failed = [], {}
-        for i, req in enumerate(reqs):
+        reqs: list[Request | Result] = []
+        for i, item in enumerate([prompt] if single else prompt):
             try:
-                prepared.append(self.prepare(req))
+                reqs.append(self._request(item, fields, default_id=i))
             except MmzooError as e:
                 if single:
                     raise
-                failed[i] = Result(id=req.id, prompt=req.prompt, error=str(e))
-                if on_result:
-                    on_result(failed[i])
-        ran = iter(self.executor.generate(prepared, decode_text=self.decode, on_result=on_result))
-        results = [failed[i] if i in failed else next(ran) for i in range(len(reqs))]
+                reqs.append(Result(id=_id_of(item, i), prompt=str(_field_of(item, "prompt", "")), error=str(e)))
+        with self._lock:
+            prepared, failed = [], {}
+            for i, req in enumerate(reqs):
+                try:
+                    if isinstance(req, Result):
+                        raise MmzooError(req.error)
+                    prepared.append(self.prepare(req))
+                except MmzooError as e:
+                    if single:
+                        raise
+                    failed[i] = req if isinstance(req, Result) else Result(id=req.id, prompt=req.prompt, error=str(e))
+                    if on_result:
+                        on_result(failed[i])
+            ran = iter(self.executor.generate(prepared, decode_text=self.decode, on_result=on_result, stop=stop))
+            results = [failed[i] if i in failed else next(ran) for i in range(len(reqs))]
         if single and results[0].error:
             raise MmzooError(results[0].error)
         return results[0] if single else results
+
+    @staticmethod
+    def _request(item: Any, fields: dict, *, default_id: int) -> Request:
+        """One request from what the API was given (see :meth:`generate`)."""
+        if isinstance(item, Request):
+            if fields:
+                raise MmzooError(f"give {sorted(fields)} inside the Request, not beside it")
+            return item
+        if isinstance(item, str):
+            return Request.parse({"id": default_id, **fields, "prompt": item}, where=f"request {default_id}")
+        if isinstance(item, Mapping):
+            return Request.parse({"id": default_id, **fields, **item}, where=f"request {_id_of(item, default_id)}")
+        raise MmzooError(f"request {default_id}: a Request, a dict of its fields or a prompt string, "
+                         f"not {type(item).__name__}")
+
+
+def _field_of(item: Any, name: str, default: Any) -> Any:
+    if isinstance(item, Request):
+        return getattr(item, name)
+    return item.get(name, default) if isinstance(item, Mapping) else default
+
+
+def _id_of(item: Any, index: int) -> Any:
+    value = _field_of(item, "id", None)
+    return value if isinstance(value, (int, str)) and not isinstance(value, bool) else index
 
 
 def cast_note(t: torch.Tensor, dtype: torch.dtype, field: str) -> torch.Tensor:

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -48,3 +49,88 @@ def write_json(path: str | Path, obj, *, indent: int = 2) -> None:
     """Write one JSON document, atomically."""
     with atomic_path(path) as tmp:
         Path(tmp).write_text(json.dumps(obj, indent=indent, default=str) + "\n")
+
+
+def check_output_path(path: str | Path, *, field: str = "output") -> Path:
+    """``path`` as a file to write, refused before any work: not a directory, its folder existing,
+    writable if it is there already."""
+    path = Path(path)
+    if path.is_dir():
+        raise MmzooError(f"{field}={path} is a directory; give a file path (e.g. {path / 'results.jsonl'})")
+    if not path.parent.is_dir():
+        raise MmzooError(f"{field}={path}: the directory {path.parent} does not exist")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise MmzooError(f"{field}={path} is not writable")
+    return path
+
+
+class JsonlAppender:
+    """Results streamed to a JSONL file: each row one whole line, flushed as it is written and
+    fsync'd at least every ``sync_s`` seconds and on :meth:`close`, so a kill loses at most the
+    rows not yet written and leaves at most one incomplete last line (which :func:`read_jsonl_rows`
+    ignores). The file is opened at the first row: a run that writes nothing leaves it as it was.
+
+    Args:
+        path: the file.
+        append: keep the rows already there (a resumed run); an incomplete last line is cut off
+            first. Otherwise the file is started afresh.
+    """
+
+    def __init__(self, path: str | Path, *, append: bool, sync_s: float = 2.0):
+        self.path, self.append, self.sync_s = Path(path), append, sync_s
+        self.rows = 0
+        self._f = None
+        self._synced = time.monotonic()
+
+    def write(self, row: dict) -> None:
+        line = json.dumps(row, default=str) + "\n"
+        if self._f is None:
+            if self.append and self.path.exists():
+                drop_partial_line(self.path)
+            self._f = open(self.path, "a" if self.append else "w")
+        self._f.write(line)
+        self._f.flush()
+        self.rows += 1
+        if time.monotonic() - self._synced >= self.sync_s:
+            self.sync()
+
+    def sync(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        self._synced = time.monotonic()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self.sync()
+            self._f.close()
+            self._f = None
+
+
+def drop_partial_line(path: Path) -> None:
+    """Cut a last line that has no newline (a write cut off by a kill)."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end != len(data):
+            f.truncate(end)
+
+
+def read_jsonl_rows(path: str | Path) -> list[dict]:
+    """The complete rows of a JSONL file in file order; an incomplete last line (no newline) is
+    ignored; any other line that is not a JSON object is an error naming it."""
+    path = Path(path)
+    data = path.read_bytes()
+    lines = data.split(b"\n")[:-1]  # what follows the last newline is incomplete
+    rows = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise MmzooError(f"{path}:{n} is not a JSON line ({e}); not resuming over a damaged file") from None
+        if not isinstance(row, dict):
+            raise MmzooError(f"{path}:{n} is not a JSON object")
+        rows.append(row)
+    return rows

@@ -7,35 +7,51 @@ run dtypes every stage accepts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Annotated, Any
 
 import numpy as np
 import torch
+from pydantic import ConfigDict, Field, Strict, ValidationError, field_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from mmzoo.errors import MmzooError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
-class Request:
-    """One generation request, as a user or a ``requests=`` line gives it."""
+# Strict scalars: a JSON "4" is not 4 and "false" is not a boolean (the request line is refused
+# naming the field, where a lax parse would have read "false" as true).
+_Int = Annotated[int, Strict()]
+_NonNeg = Annotated[int, Strict(), Field(ge=0)]
+MAX_NEW_TOKENS = 1 << 20  # a schema bound; the engine also refuses more than its max_model_len
 
-    prompt: str = ""
+
+@pydantic_dataclass(config=ConfigDict(arbitrary_types_allowed=True, validate_assignment=True))
+class Request:
+    """One generation request, as a user, a ``requests=`` line or the Python API gives it.
+
+    A typed schema (a pydantic dataclass): every field is checked on construction and on
+    assignment, strictly for scalars. :meth:`parse` turns a mapping (a JSON line, API keywords)
+    into a Request or one :class:`MmzooError` naming the field and the value. Media and embeddings
+    are checked where the family reads them (decoding, shapes, finite values).
+    """
+
+    prompt: Annotated[str, Strict()] = ""
     images: list[Any] = field(default_factory=list)  # paths or PIL images
     videos: list[Any] = field(default_factory=list)  # paths, or lists of frames
     audios: list[Any] = field(default_factory=list)  # paths, or 1-D float arrays at the feature extractor's rate
-    max_new_tokens: int = 32
-    ignore_eos: bool = False
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: no top-k cut
-    top_p: float = 1.0  # 1: no nucleus cut
-    seed: int | None = None  # per-request sampling seed
-    stop_token_ids: list[int] = field(default_factory=list)  # stop (inclusive) at any of these, besides EOS
-    id: Any = None
+    max_new_tokens: Annotated[int, Strict(), Field(gt=0, le=MAX_NEW_TOKENS)] = 32
+    ignore_eos: Annotated[bool, Strict()] = False
+    temperature: Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)] = 0.0  # 0: greedy
+    top_k: _NonNeg = 0  # 0: no top-k cut
+    top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0  # 1: no nucleus cut
+    seed: _NonNeg | None = None  # per-request sampling seed
+    stop_token_ids: list[_NonNeg] = field(default_factory=list)  # stop (inclusive) at any of these, besides EOS
+    id: _Int | Annotated[str, Strict()] | None = None
     # -- other input modes (see README "Input modes") --
-    prompt_token_ids: list[int] | None = None  # the prompt already tokenized (no chat template applied)
+    prompt_token_ids: Annotated[list[_NonNeg], Field(min_length=1)] | None = None  # already tokenized (no chat template)
     image_embeds: Any = None  # [rows, hidden] (or a list of 2-D) precomputed image embeddings
     image_grid_thw: Any = None  # [num_images, 3] with image_embeds (Qwen2-VL)
     video_embeds: Any = None
@@ -43,18 +59,51 @@ class Request:
     audio_embeds: Any = None  # [tokens, hidden] per clip (a list of 2-D), or one 2-D split by audio_lengths
     audio_lengths: Any = None  # [clips] token rows of each clip in a 2-D audio_embeds (mmzoo.encode writes it)
     inputs_embeds: Any = None  # [s, hidden] embeddings of the whole prompt (soft prompts)
-    embeds: str | None = None  # an mmzoo.encode safetensors file supplying the *_embeds fields
+    embeds: Annotated[str, Strict()] | None = None  # an mmzoo.encode safetensors file supplying the *_embeds fields
 
-    def check(self) -> None:
-        """Raise :class:`MmzooError` naming the field for out-of-range sampling parameters."""
-        if self.max_new_tokens <= 0:
-            raise MmzooError(f"max_new_tokens={self.max_new_tokens} must be positive")
-        if self.temperature < 0:
-            raise MmzooError(f"temperature={self.temperature} must be >= 0")
-        if self.top_k < 0:
-            raise MmzooError(f"top_k={self.top_k} must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise MmzooError(f"top_p={self.top_p} must be in (0, 1]")
+    @field_validator("images", "videos", "audios", mode="before")
+    @classmethod
+    def _a_list(cls, value: Any, info) -> Any:
+        if isinstance(value, (str, bytes)):  # pydantic refuses it too; say what was meant
+            raise ValueError(f"must be a list of {info.field_name}, got one string; write [{value!r}]")
+        return value
+
+    @classmethod
+    def parse(cls, values: Mapping[str, Any], *, where: str = "request") -> "Request":
+        """A Request from a mapping, or :class:`MmzooError` naming ``where``, each bad field and its value."""
+        if not isinstance(values, Mapping):
+            raise MmzooError(f"{where}: a request must be a JSON object, got {type(values).__name__}")
+        unknown = sorted(set(values) - set(REQUEST_FIELDS))
+        if unknown:
+            raise MmzooError(f"{where}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(REQUEST_FIELDS)}")
+        try:
+            return cls(**values)
+        except ValidationError as e:
+            raise MmzooError(f"{where}: {describe_validation_error(e)}") from None
+
+
+REQUEST_FIELDS = tuple(f.name for f in fields(Request))
+
+
+def describe_validation_error(e: ValidationError) -> str:
+    """Each failed field as ``name=value: reason``, joined by ``; `` (a union's alternatives as one)."""
+    by_field: dict[str, tuple[Any, list[str]]] = {}
+    for err in e.errors(include_url=False):
+        loc = list(err["loc"])
+        if len(loc) > 1 and isinstance(loc[1], str):  # a union member's tag (id.int, id.str)
+            del loc[1]
+        name = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or "request"
+        msgs = by_field.setdefault(name, (err.get("input"), []))[1]
+        msg = err["msg"][0].lower() + err["msg"][1:]
+        if msg not in msgs:
+            msgs.append(msg)
+    parts = []
+    for name, (value, msgs) in by_field.items():
+        text = repr(value)
+        text = text if len(text) <= 60 else text[:57] + "..."
+        parts.append(f"{name}={text}: {' or '.join(msgs)}")
+    return "; ".join(parts)
 
 
 @dataclass

@@ -237,6 +237,7 @@ def train(cfg: DictConfig) -> Path:
     # mmzoo.fixtures tokenizer, with this data's words added so that each answer is one token
     tokenizer = train_tokenizer(int(cfg.tokenizer_vocab_size), corpus=synthetic_corpus() + shapes.tokenizer_corpus())
     config = qwen2_vl_config(tokenizer, **OmegaConf.to_container(cfg.model))
+    out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out, directory=True) as tmp:  # a cut-off run leaves the shipped checkpoint in place
         processor = save_processor(tmp, tokenizer, config, min_pixels=int(cfg.processor.min_pixels),
                                    max_pixels=int(cfg.processor.max_pixels), default_system=None)

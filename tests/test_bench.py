@@ -23,8 +23,9 @@ METRICS = ("completed", "duration_s", "request_throughput", "output_throughput",
 
 
 def _bench(tmp_path, recipe: str, *overrides: str) -> subprocess.CompletedProcess:
-    """``python -m mmzoo.bench`` on ``recipes/<recipe>.yaml``, writing ``tmp_path/bench.json``."""
-    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    """``python -m mmzoo.bench`` on ``recipes/<recipe>.yaml``, writing ``tmp_path/bench.json``; with an
+    empty mmzoo cache, as on a fresh machine (the random checkpoint is built under it)."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "MMZOO_CACHE": str(tmp_path / "cache")}
     p = subprocess.run([sys.executable, "-m", "mmzoo.bench", "--config-dir", str(ROOT / "recipes"),
                         "--config-name", recipe, f"output={tmp_path / 'bench.json'}", *overrides],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -121,6 +121,7 @@ def _build(path: Path, fam: Family, sizes: dict) -> None:
     import mmzoo.fixtures
 
     say(f"building a random {fam.hf_class} checkpoint at {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)  # the cache folder on a fresh machine
     try:
         with atomic_path(path, directory=True) as tmp:
             getattr(mmzoo.fixtures, fam.fixture)(tmp, **sizes)

@@ -3,8 +3,9 @@
 from mmzoo.executor.base import Executor
 from mmzoo.executor._sharding import MeshSpec, mesh_option
 from mmzoo.executor.eager import EagerExecutor
+from mmzoo.executor.scheduler import Drain
 
-__all__ = ["Executor", "EagerExecutor", "XLAExecutor", "MeshSpec", "mesh_option"]
+__all__ = ["Executor", "EagerExecutor", "XLAExecutor", "MeshSpec", "mesh_option", "Drain"]
 
 
 def __getattr__(name):

@@ -28,7 +28,7 @@ import torch
 
 from mmzoo.buckets import round_up
 from mmzoo.errors import MmzooError
-from mmzoo.executor.scheduler import Scheduler, Sequence
+from mmzoo.executor.scheduler import Drain, Scheduler, Sequence
 from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling, decode_step, encode_step, prefill_step
 from mmzoo.lms import KVCache
 from mmzoo.types import DTYPES, Prepared, Result, TowerInput
@@ -284,11 +284,13 @@ class Executor:
 
     # -- the generation loop -------------------------------------------------------------------
     def generate(self, prepared: list[Prepared], *, decode_text: Callable[[list[int]], str],
-                 on_result: Callable[[Result], None] | None = None) -> list[Result]:
+                 on_result: Callable[[Result], None] | None = None, stop: Drain | None = None) -> list[Result]:
         """Generate for every request, ``max_batch`` at a time, refilling slots as sequences finish.
 
         Results come back in request order; ``on_result`` is called as each one finishes. A request
         that cannot run (too long, bad parameters) gets a result with ``error`` and the rest go on.
+        Once ``stop`` is set nothing more is admitted; the requests that did not finish come back
+        with ``finish_reason="abort"`` (not passed to ``on_result``).
         """
         if self.model is None:
             raise RuntimeError("call setup(model) before generate()")
@@ -321,9 +323,12 @@ class Executor:
         # by the next prompt's prefill).
         inflight = None  # (token ids on the device, [(slot, seq, tokens cached after the step)])
         while not sched.done:
+            if stop is not None and stop.draining:
+                sched.waiting.clear()
+                if stop.expired or not sched.running:
+                    break
             for seq in sched.admit():
                 try:
-                    seq.request.check()
                     if seq.length + 1 > self.max_model_len:
                         raise MmzooError(f"prompt has {seq.length} tokens; max_model_len={self.max_model_len} "
                                          f"leaves no room to generate")
@@ -358,4 +363,11 @@ class Executor:
             inflight = launched
         if bar:
             bar.close()
+        if inflight is not None:  # abandoned by the stop: let the launched step finish on the device
+            inflight[0].cpu()
+        for i, r in enumerate(results):
+            if r is None:
+                p = prepared[i]
+                results[i] = Result(id=p.request.id, prompt=p.request.prompt, finish_reason="abort",
+                                    error="stopped before it finished")
         return results

@@ -37,6 +37,28 @@ class Sequence:
 
 
 @dataclass
+class Drain:
+    """A request to stop a generation run early (Ctrl-C, SIGTERM, a server shutting down): once
+    :meth:`set`, no waiting request is admitted and the running ones may finish within ``timeout_s``;
+    past that they are abandoned too. Setting it is safe from a signal handler or another thread."""
+
+    timeout_s: float = 60.0
+    since: float | None = None
+
+    def set(self) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+
+    @property
+    def draining(self) -> bool:
+        return self.since is not None
+
+    @property
+    def expired(self) -> bool:
+        return self.since is not None and time.monotonic() - self.since > self.timeout_s
+
+
+@dataclass
 class Scheduler:
     """Slots and queues of one generation run.
 

@@ -26,6 +26,13 @@ def as_embeds(value: Any, field: str, *, hidden: int) -> torch.Tensor:
             raise MmzooError(f"{name} must be floating point, got {t.dtype}")
         if t.shape[1] != hidden:
             raise MmzooError(f"{name} has hidden size {t.shape[1]} but the LM's hidden size is {hidden}")
+        if t.shape[0] == 0:
+            raise MmzooError(f"{name} has no rows")
+        bad = ~torch.isfinite(t)
+        if bad.any():  # refused here: a NaN in a cache slot would reach whatever shares the batch
+            row, col = (int(i) for i in bad.nonzero()[0])
+            raise MmzooError(f"{name} holds {int(bad.sum())} non-finite values (NaN or inf), the first at "
+                             f"[{row}, {col}] = {t[row, col].item()}")
         tensors.append(t)
     if not tensors:
         raise MmzooError(f"{field} is empty")

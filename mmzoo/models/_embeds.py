@@ -11,11 +11,14 @@ from mmzoo.errors import MmzooError
 
 
 def as_embeds(value: Any, field: str, *, hidden: int) -> torch.Tensor:
-    """``[rows, hidden]`` from a 2-D tensor/array or a list of 2-D ones (concatenated in order)."""
-    parts = value if isinstance(value, (list, tuple)) else [value]
+    """``[rows, hidden]`` from a 2-D tensor/array, a list of 2-D ones (concatenated in order), or a
+    JSON-style list of rows (a list of lists of numbers: one 2-D matrix)."""
+    rows_of_numbers = (isinstance(value, (list, tuple)) and len(value) > 0 and isinstance(value[0], (list, tuple))
+                       and len(value[0]) > 0 and isinstance(value[0][0], (int, float)))
+    parts = value if isinstance(value, (list, tuple)) and not rows_of_numbers else [value]
     tensors = []
     for i, part in enumerate(parts):
-        name = f"{field}[{i}]" if isinstance(value, (list, tuple)) else field
+        name = f"{field}[{i}]" if len(parts) > 1 or parts[0] is not value else field
         try:
             t = torch.as_tensor(np.asarray(part) if not isinstance(part, torch.Tensor) else part)
         except (TypeError, ValueError) as e:

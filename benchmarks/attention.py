@@ -1,6 +1,6 @@
 """Time every attention backend on Qwen2-VL-shaped vision-encoder and LM-prefill/decode calls.
 
-    PJRT_DEVICE=CPU python benchmarks/attention.py [--repeats 5] [--json out.json]
+    PJRT_DEVICE=CPU python benchmarks/attention.py [--repeats 5] [--backends sdpa pallas] [--json out.json]
 
 Each case runs inside a torch_xla graph on the PJRT device (the XLA CPU client here, where the
 Pallas kernels run in interpret mode; natively on a TPU). Prints compile time and the median
@@ -20,7 +20,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 
-from mmzoo import _registry  # noqa: E402
+from mmzoo.config import build_option, options  # noqa: E402
 
 # (name, b, hq, hkv, sq, skv, d, kind): Qwen2-VL-2B's ViT is 16 heads x 80; its LM 12 x 128 with 2 kv heads
 CASES = [
@@ -66,10 +66,12 @@ def bench(backend, case, repeats, dev):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backends", nargs="+", choices=options("attention"), default=options("attention"),
+                    help="conf/attention options to time (default: all)")
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch_xla.device()
-    backends = {n: _registry.build_option("attention", n) for n in ("eager", "sdpa", "pallas")}
+    backends = {n: build_option("attention", n) for n in args.backends}
     print(f"device {dev} (PJRT_DEVICE={os.environ['PJRT_DEVICE']}); pallas runs "
           f"{'natively' if os.environ['PJRT_DEVICE'] == 'TPU' else 'in interpret mode'}")
     rows = []

@@ -56,7 +56,10 @@ def add_checkpoint_choices(argv: list[str], config_name: str) -> list[str]:
     except MmzooError as e:  # the checkpoint names a component the zoo lacks
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    return extra + argv  # before any flag: argparse takes the overrides as one run
+    # beside the user's overrides: argparse takes the positional overrides as one run, so they may
+    # not be split by a flag (``--cfg job checkpoint=D`` must stay one run with the choices added)
+    at = argv.index(overrides[0]) if overrides else len(argv)
+    return argv[:at] + extra + argv[at:]
 
 
 def hydra_main(task: Callable[[DictConfig], object], config_name: str, *, config_dir=None) -> Callable[[], None]:

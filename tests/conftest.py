@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny Qwen2-VL checkpoint built with transformers, and test images."""
+"""Shared session fixtures: a tiny checkpoint of every family (and a Llava with a Qwen2 LM) built with
+transformers by mmzoo.fixtures, test images and audio clips."""
 
 from __future__ import annotations
 
@@ -8,13 +9,31 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")  # before anything imports torch_xla
 
 import pytest  # noqa: E402
 
-from mmzoo.fixtures import make_image, make_tiny_qwen2_vl  # noqa: E402
+from mmzoo.fixtures import (make_audio, make_image, make_tiny_llava, make_tiny_qwen2_audio,  # noqa: E402
+                            make_tiny_qwen2_vl, write_wav)
 
 
-@pytest.fixture(scope="session")
-def qwen2_vl_ckpt(tmp_path_factory):
-    """A random tiny Qwen2VLForConditionalGeneration + tokenizer + processor, saved with save_pretrained."""
-    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("ckpt") / "qwen2_vl", seed=0)
+def tiny_checkpoint(name: str, make, doc: str, **kwargs):
+    """A session fixture ``name``: ``make(<tmp>/<dir>, seed=0, **kwargs)``, a tiny checkpoint built
+    once per run with an ``mmzoo.fixtures`` function; the directory is named after the fixture
+    without ``_ckpt``."""
+
+    def build(tmp_path_factory):
+        return make(tmp_path_factory.mktemp("ckpt") / name.removesuffix("_ckpt"), seed=0, **kwargs)
+
+    build.__doc__ = doc
+    return pytest.fixture(scope="session", name=name)(build)
+
+
+qwen2_vl_ckpt = tiny_checkpoint("qwen2_vl_ckpt", make_tiny_qwen2_vl,
+                                "A random tiny Qwen2VLForConditionalGeneration + tokenizer + processor.")
+llava_ckpt = tiny_checkpoint("llava_ckpt", make_tiny_llava,
+                             "A random tiny LlavaForConditionalGeneration (CLIP ViT + MLP projector + Llama).")
+llava_qwen2_ckpt = tiny_checkpoint("llava_qwen2_ckpt", make_tiny_llava,
+                                   "A tiny Llava whose text model is Qwen2 (LLaVA-Interleave / OneVision style).",
+                                   text_model_type="qwen2")
+qwen2_audio_ckpt = tiny_checkpoint("qwen2_audio_ckpt", make_tiny_qwen2_audio, "A random tiny "
+                                   "Qwen2AudioForConditionalGeneration (Whisper encoder + projector + Qwen2).")
 
 
 @pytest.fixture(scope="session")
@@ -38,26 +57,8 @@ def recipes():
 
 
 @pytest.fixture(scope="session")
-def llava_ckpt(tmp_path_factory):
-    """A random tiny LlavaForConditionalGeneration (CLIP ViT + MLP projector + Llama)."""
-    from mmzoo.fixtures import make_tiny_llava
-
-    return make_tiny_llava(tmp_path_factory.mktemp("ckpt") / "llava", seed=0)
-
-
-@pytest.fixture(scope="session")
-def qwen2_audio_ckpt(tmp_path_factory):
-    """A random tiny Qwen2AudioForConditionalGeneration (Whisper encoder + projector + Qwen2)."""
-    from mmzoo.fixtures import make_tiny_qwen2_audio
-
-    return make_tiny_qwen2_audio(tmp_path_factory.mktemp("ckpt") / "qwen2_audio", seed=0)
-
-
-@pytest.fixture(scope="session")
 def audio_files(tmp_path_factory):
     """0.5 s and 1.3 s at 16 kHz, 0.8 s at 8 kHz (librosa resamples it; the tiny window is 2 s)."""
-    from mmzoo.fixtures import make_audio, write_wav
-
     root = tmp_path_factory.mktemp("audio")
     return [str(write_wav(root / "a0.wav", make_audio(0.5, seed=0))),
             str(write_wav(root / "a1.wav", make_audio(1.3, seed=1))),
@@ -68,11 +69,3 @@ def audio_files(tmp_path_factory):
 def tiny_checkpoints(qwen2_vl_ckpt, llava_ckpt, qwen2_audio_ckpt):
     """One tiny checkpoint per conf/model family."""
     return {"qwen2_vl": qwen2_vl_ckpt, "llava": llava_ckpt, "qwen2_audio": qwen2_audio_ckpt}
-
-
-@pytest.fixture(scope="session")
-def llava_qwen2_ckpt(tmp_path_factory):
-    """A tiny Llava whose text model is Qwen2 (LLaVA-Interleave / OneVision style)."""
-    from mmzoo.fixtures import make_tiny_llava
-
-    return make_tiny_llava(tmp_path_factory.mktemp("llava_qwen2") / "llava_qwen2", seed=0, text_model_type="qwen2")

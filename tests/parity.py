@@ -2,12 +2,19 @@
 
 ``reference`` runs transformers' own model class on a checkpoint: prompt ids, prefill logits and
 greedy tokens with EOS off, for a request of ``n`` media items; ``engine`` keeps one mmzoo engine
-per (checkpoint, executor, backend) for the whole session.
+per (checkpoint, executor, backend) for the whole session; ``EXECUTORS``, ``XLA`` and ``GEN`` are
+the executors, XLA options and generation settings the family files share.
 """
 
 from __future__ import annotations
 
 import mmzoo
+
+EXECUTORS = ("eager", "xla")
+# XLA options of the families whose tower rows are whole items (Llava's images, Qwen2-Audio's clips):
+# one 64-row encoder bucket, two slots, graphs compiled on first use
+XLA = {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2}
+GEN = {"max_new_tokens": 16, "ignore_eos": True}  # 16 greedy tokens, EOS off as in :func:`reference`
 
 _ENGINES: dict = {}
 

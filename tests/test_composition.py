@@ -121,6 +121,19 @@ def test_users_conf_dir_from_cli_and_api(qwen2_vl_ckpt, image_files, tmp_path):
     assert got.token_ids == row["token_ids"]
 
 
+def test_users_family_from_hydra_searchpath(qwen2_vl_ckpt, tmp_path):
+    """``hydra.searchpath`` adds a user's dir as ``--config-dir`` does: its family composes, with its
+    own choices and the checkpoint's sizes. (A primary config, ``--config-name``, only in such a dir
+    is not found: Hydra 1.3 looks the primary config up before it adds the searchpath.)"""
+    conf = _my_conf(tmp_path / "myconf")
+    p = infer(f"hydra.searchpath=[file://{conf}]", "model=mine", f"checkpoint={qwen2_vl_ckpt}", "--cfg", "job",
+              "--resolve", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    model = yaml.safe_load(p.stdout)["model"]
+    assert model["name"] == "mine" and model["encoder"]["attention"] == "pallas"
+    assert model["lm"]["_target_"] == "mmzoo.lms.qwen2" and model["lm"]["num_layers"] == 2
+
+
 def test_load_one_component_and_set_its_backend(qwen2_vl_ckpt):
     """Research code on single modules: a component built on its own, the family checkpoint's weights
     loaded into it (prefixes handled), its backend swapped."""

@@ -17,29 +17,18 @@ import mmzoo
 import parity
 from mmzoo.fixtures import make_tiny_llava
 from mmzoo.models import Llava
+from parity import EXECUTORS, GEN, XLA
 
 PROMPT = "What shape is this?"
-EXECUTORS = ["eager", "xla"]
-XLA = {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2}
-GEN = {"max_new_tokens": 16, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def ckpt(llava_ckpt):
-    return llava_ckpt
 
 
 def hf_reference(ckpt, images, counts, prompt=PROMPT, new_tokens=16):
     return parity.reference(ckpt, "LlavaForConditionalGeneration", "image", images, counts, prompt, new_tokens)
 
 
-def get_engine(ckpt, executor: str, attention: str = "sdpa"):
-    return parity.engine(ckpt, executor, attention, **XLA)
-
-
 @pytest.fixture(scope="module")
-def eager(ckpt):
-    return get_engine(ckpt, "eager")
+def eager(llava_ckpt):
+    return parity.engine(llava_ckpt, "eager")
 
 
 def test_feature_layer_list_and_full_strategy(tmp_path, image_files):
@@ -54,19 +43,19 @@ def test_feature_layer_list_and_full_strategy(tmp_path, image_files):
     np.testing.assert_allclose(engine.executor.prompt_logits(prepared), ref["logits"], atol=1e-4, rtol=0)
 
 
-def test_family_sizes_its_xla_buckets(ckpt, eager):
+def test_family_sizes_its_xla_buckets(llava_ckpt, eager):
     family = eager.family
     assert isinstance(family, Llava) and family.tokens_per_image == 16
     assert family.encoder_buckets(max_model_len=256, max_media_rows=320) == [1, 2, 4, 8, 16]
     assert family.encoder_buckets(max_model_len=1024, max_media_rows=80) == [1, 2, 4, 5]
-    engine = mmzoo.load(ckpt, executor="xla", max_model_len=64, progress=False, warmup=False,
+    engine = mmzoo.load(llava_ckpt, executor="xla", max_model_len=64, progress=False, warmup=False,
                         encoder_buckets={"vision": [2]})
     assert engine.executor.encoder_buckets["vision"] == [2]  # the executor's config wins
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
-def test_image_embeds_match_raw_images(eager, ckpt, image_files, executor):
-    engine = get_engine(ckpt, executor)
+def test_image_embeds_match_raw_images(eager, llava_ckpt, image_files, executor):
+    engine = parity.engine(llava_ckpt, executor, **XLA)
     emb = eager.encode(images=image_files[:3])["image_embeds"]
     assert list(emb.shape) == [3 * 16, 64]
     raw = engine.generate(mmzoo.Request(prompt=PROMPT, images=image_files[:3], **GEN))
@@ -100,9 +89,9 @@ def test_bad_input(eager, image_files, tmp_path):
     parity.assert_refused(eager, cases, PROMPT, kind="image", files=image_files)
 
 
-def test_cli(ckpt, image_files, tmp_path):
+def test_cli(llava_ckpt, image_files, tmp_path):
     out = tmp_path / "out.jsonl"
-    p = subprocess.run([sys.executable, "-m", "mmzoo.infer", "model=llava", f"checkpoint={ckpt}",
+    p = subprocess.run([sys.executable, "-m", "mmzoo.infer", "model=llava", f"checkpoint={llava_ckpt}",
                         f"images=[{image_files[0]},{image_files[1]}]", "prompt=Compare the two pictures.",
                         "executor=eager", "max_new_tokens=5", "ignore_eos=true", f"output={out}"],
                        cwd=tmp_path, env={**os.environ, "PJRT_DEVICE": "CPU"}, capture_output=True, text=True,
@@ -131,13 +120,13 @@ def test_qwen2_text_model_matches_transformers(llava_qwen2_ckpt, image_files, ex
     assert result.prompt_token_ids == ref["ids"] and result.token_ids == ref["tokens"]
 
 
-def test_bare_composition_gets_item_buckets(ckpt):
+def test_bare_composition_gets_item_buckets(llava_ckpt):
     """The XLA executor on a composition built without a family: a CLIP tower's rows are images, so
     its buckets count images (up to 16), not 64-16384 patches."""
     from mmzoo.engine import build_model
     from mmzoo.executor.xla import XLAExecutor
 
-    _, model = build_model(mmzoo.compose(values={"checkpoint": str(ckpt)}))
+    _, model = build_model(mmzoo.compose(values={"checkpoint": str(llava_ckpt)}))
     exe = XLAExecutor(max_model_len=64, max_batch=1, warmup=False, prefill_buckets=[64], progress=False)
     exe.setup(model)
     assert exe.tower_buckets("vision") == [1, 2, 4, 8, 16]

@@ -16,25 +16,14 @@ import mmzoo
 import parity
 from mmzoo.fixtures import make_audio, write_wav
 from mmzoo.models import Qwen2Audio
+from parity import EXECUTORS, GEN, XLA
 
 PROMPT = "What do you hear?"
-EXECUTORS = ["eager", "xla"]
-XLA = {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2}
-GEN = {"max_new_tokens": 16, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def ckpt(qwen2_audio_ckpt):
-    return qwen2_audio_ckpt
-
-
-def get_engine(ckpt, executor: str, attention: str = "sdpa"):
-    return parity.engine(ckpt, executor, attention, **XLA)
-
-
-@pytest.fixture(scope="module")
-def eager(ckpt):
-    return get_engine(ckpt, "eager")
+def eager(qwen2_audio_ckpt):
+    return parity.engine(qwen2_audio_ckpt, "eager")
 
 
 def clip_embeds(engine, files) -> list[torch.Tensor]:
@@ -45,8 +34,8 @@ def clip_embeds(engine, files) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
-def test_audio_embeds_match_raw_audio(eager, ckpt, audio_files, executor):
-    engine = get_engine(ckpt, executor)
+def test_audio_embeds_match_raw_audio(eager, qwen2_audio_ckpt, audio_files, executor):
+    engine = parity.engine(qwen2_audio_ckpt, executor, **XLA)
     parts = clip_embeds(eager, audio_files)
     assert [p.shape[0] for p in parts] == [12, 32, 20]  # ((L - 1) // 2 + 1) // 2 for L = 50, 130, 80 mel frames
     raw = engine.generate(mmzoo.Request(prompt=PROMPT, audios=audio_files, **GEN))
@@ -66,15 +55,15 @@ def test_audio_embeds_match_raw_audio(eager, ckpt, audio_files, executor):
         assert engine.generate(mmzoo.Request(prompt_token_ids=collapsed, **kw, **GEN)).token_ids == raw.token_ids
 
 
-def test_xla_warmup_covers_every_clip_count(ckpt, audio_files):
+def test_xla_warmup_covers_every_clip_count(qwen2_audio_ckpt, audio_files):
     """The tower's buckets (clips per call, from the encoder's rows per clip) and the family's dummy clips
     compile everything a real request runs."""
-    assert isinstance(get_engine(ckpt, "eager").family, Qwen2Audio)
-    engine = mmzoo.load(ckpt, executor="xla", max_model_len=160, prefill_buckets=[160], min_encoder_rows=64,
+    assert isinstance(parity.engine(qwen2_audio_ckpt, "eager").family, Qwen2Audio)
+    engine = mmzoo.load(qwen2_audio_ckpt, executor="xla", max_model_len=160, prefill_buckets=[160], min_encoder_rows=64,
                         max_encoder_rows=64, max_batch=2, progress=False, on_recompile="error")
     assert engine.executor.tower_buckets("audio") == [1, 2, 4]  # 4 clips of 50 rows fill the 160 + 64 media rows
     results = engine.generate([{"prompt": PROMPT, "audios": audio_files[:n], **GEN} for n in (3, 1)])
-    eager = get_engine(ckpt, "eager")
+    eager = parity.engine(qwen2_audio_ckpt, "eager")
     for n, r in zip((3, 1), results):
         assert r.error is None and r.graphs_compiled_after_warmup == 0
         assert r.token_ids == eager.generate(mmzoo.Request(prompt=PROMPT, audios=audio_files[:n], **GEN)).token_ids
@@ -108,10 +97,10 @@ def test_bad_input(eager, audio_files, tmp_path):
     parity.assert_refused(eager, cases, PROMPT, kind="audio", files=audio_files)
 
 
-def test_cli(ckpt, audio_files, tmp_path):
+def test_cli(qwen2_audio_ckpt, audio_files, tmp_path):
     out = tmp_path / "out.jsonl"
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
-    p = subprocess.run([sys.executable, "-m", "mmzoo.infer", "model=qwen2_audio", f"checkpoint={ckpt}",
+    p = subprocess.run([sys.executable, "-m", "mmzoo.infer", "model=qwen2_audio", f"checkpoint={qwen2_audio_ckpt}",
                         f"audios=[{audio_files[0]},{audio_files[2]}]", "prompt=What do you hear?", "executor=eager",
                         "max_new_tokens=5", "ignore_eos=true", f"output={out}"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -121,13 +110,13 @@ def test_cli(ckpt, audio_files, tmp_path):
     assert len(row["token_ids"]) == 5 and row["audios"] == [audio_files[0], audio_files[2]]
     # encode once, then serve from the embeddings file: the same tokens, the tower not loaded
     emb = tmp_path / "emb.safetensors"
-    p = subprocess.run([sys.executable, "-m", "mmzoo.encode", "model=qwen2_audio", f"checkpoint={ckpt}",
+    p = subprocess.run([sys.executable, "-m", "mmzoo.encode", "model=qwen2_audio", f"checkpoint={qwen2_audio_ckpt}",
                         f"audios=[{audio_files[0]},{audio_files[2]}]", f"output={emb}"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     assert "audio_lengths [2]" in p.stderr
     out2 = tmp_path / "out2.jsonl"
-    p = subprocess.run([sys.executable, "-m", "mmzoo.infer", "model=qwen2_audio", f"checkpoint={ckpt}",
+    p = subprocess.run([sys.executable, "-m", "mmzoo.infer", "model=qwen2_audio", f"checkpoint={qwen2_audio_ckpt}",
                         f"embeds={emb}", "prompt=What do you hear?", "executor=eager", "max_new_tokens=5",
                         "ignore_eos=true", f"output={out2}"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -39,6 +39,9 @@ class Request:
     """
 
     prompt: Annotated[str, Strict()] = ""
+    # a whole conversation instead of ``prompt``: transformers' chat messages, whose content parts
+    # {"type": "image"} / {"type": "video"} / {"type": "audio"} stand for the media items in order
+    messages: list[dict[str, Any]] | None = None
     images: list[Any] = field(default_factory=list)  # paths or PIL images
     videos: list[Any] = field(default_factory=list)  # paths, or lists of frames
     audios: list[Any] = field(default_factory=list)  # paths, or 1-D float arrays at the feature extractor's rate

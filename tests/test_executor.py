@@ -123,7 +123,7 @@ def test_bad_requests_fail_alone(xla_engine, image_files):
     ok = {"prompt": "hello", "max_new_tokens": 2, "ignore_eos": True}
     results = xla_engine.generate([too_long, ok, too_many_images, bad_param, ok])
     assert "max_model_len=128" in results[0].error
-    assert "max_model_len=128" in results[2].error and "prompt has" in results[2].error, results[2].error
+    assert "max_model_len=128" in results[2].error and "the prompt is" in results[2].error, results[2].error
     assert "top_p" in results[3].error
     assert results[1].error is None and results[4].error is None and len(results[4].token_ids) == 2
 

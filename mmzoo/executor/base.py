@@ -292,14 +292,6 @@ class Executor:
         Once ``stop`` is set nothing more is admitted; the requests that did not finish come back
         with ``finish_reason="abort"`` (not passed to ``on_result``).
         """
-        if self.model is None:
-            raise RuntimeError("call setup(model) before generate()")
-        sched = Scheduler(self.max_batch, self.max_model_len, self.eos)
-        for i, p in enumerate(prepared):
-            req = p.request
-            result = Result(id=req.id, prompt=req.prompt, prompt_token_ids=(
-                [] if req.inputs_embeds is not None else [int(t) for t in p.input_ids]))
-            sched.add(Sequence(prepared=p, result=result, index=i, rng=np.random.default_rng(req.seed)))
         results: list[Result | None] = [None] * len(prepared)
         bar = None
         if self.progress:
@@ -308,66 +300,143 @@ class Executor:
             bar = Progress(len(prepared))
 
         def done(seq: Sequence) -> None:
-            r = seq.result
-            r.latency_s = time.perf_counter() - sched.t0
-            r.graphs_compiled_after_warmup = self.graphs_since_warmup()
-            results[seq.index] = r
+            results[seq.index] = seq.result
             if bar:
-                bar.update(r)
+                bar.update(seq.result)
             if on_result:
-                on_result(r)
+                on_result(seq.result)
 
-        # One decode step stays in flight: step N+1 is launched (its input tokens taken from step
-        # N's device output) before step N's tokens are read back. A sequence that stops at step N
-        # has had step N+1 computed for it too; that token is dropped (its cache slot is rewritten
-        # by the next prompt's prefill).
-        inflight = None  # (token ids on the device, [(slot, seq, tokens cached after the step)])
-        while not sched.done:
+        run = Generation(self, decode_text=decode_text, on_done=done)
+        for i, p in enumerate(prepared):
+            run.add(p, index=i)
+        while run.busy:
             if stop is not None and stop.draining:
-                sched.waiting.clear()
-                if stop.expired or not sched.running:
+                run.sched.waiting.clear()
+                if stop.expired or not run.sched.running:
                     break
-            for seq in sched.admit():
-                try:
-                    if seq.length + 1 > self.max_model_len:
-                        raise MmzooError(f"prompt has {seq.length} tokens; max_model_len={self.max_model_len} "
-                                         f"leaves no room to generate")
-                    first = self.prefill(self.prefill_inputs(seq.prepared, seq.slot),
-                                         self.sampling_for({0: seq}, 1))
-                    self.step_done()
-                    token = int(first.cpu()[0])
-                except MmzooError as e:
-                    sched.drop(seq)
-                    seq.result.error = str(e)
-                    done(seq)
-                    continue
-                seq.result.ttft_s = time.perf_counter() - sched.t0
-                if sched.emit(seq, token, seq.length, decode_text):
-                    done(seq)
-            flying = {slot: seq for slot, seq, _ in inflight[1]} if inflight else {}
-            ahead = {slot for slot, seq in sched.running.items() if flying.get(slot) is seq}  # a token in flight
-            go = sched.to_decode(ahead)
-            launched = None
-            if go:
-                out = self.decode(self.decode_inputs(go, ahead & set(go)), self.sampling_for(go, self.max_batch),
-                                  prev=inflight[0] if inflight else None)
-                self.step_done()
-                for seq in go.values():
-                    seq.length += 1
-                launched = (out, [(slot, seq, seq.length) for slot, seq in go.items()])
-            if inflight:
-                tokens = inflight[0].cpu().numpy()
-                for slot, seq, cached in inflight[1]:
-                    if sched.running.get(slot) is seq and sched.emit(seq, int(tokens[slot]), cached, decode_text):
-                        done(seq)
-            inflight = launched
+            run.step()
+        run.settle()
         if bar:
             bar.close()
-        if inflight is not None:  # abandoned by the stop: let the launched step finish on the device
-            inflight[0].cpu()
         for i, r in enumerate(results):
             if r is None:
                 p = prepared[i]
                 results[i] = Result(id=p.request.id, prompt=p.request.prompt, finish_reason="abort",
                                     error="stopped before it finished")
         return results
+
+
+class Generation:
+    """One continuous-batching run on an executor: requests join whenever they come (a server adds
+    them as they arrive), each :meth:`step` admits waiting ones into free KV-cache slots (their
+    prefill) and decodes one token for every running one, and a finished or cancelled sequence
+    frees its slot at once for the next waiting request.
+
+    One decode step stays in flight: step N+1 is launched (its input tokens taken from step N's
+    device output) before step N's tokens are read back. A sequence that stops at step N has had
+    step N+1 computed for it too; that token is dropped (its cache slot is reset by the next
+    prompt's prefill).
+
+    Not thread-safe: one thread drives it (:meth:`add`, :meth:`cancel`, :meth:`step`).
+
+    Args:
+        executor: a set-up executor.
+        decode_text: token ids -> text, for a finished result.
+        on_done: called with each sequence when it finishes, fails or is cancelled.
+        on_token: called with a sequence and each new token as it is read back.
+    """
+
+    def __init__(self, executor: Executor, *, decode_text: Callable[[list[int]], str],
+                 on_done: Callable[[Sequence], None] | None = None,
+                 on_token: Callable[[Sequence, int], None] | None = None):
+        if executor.model is None:
+            raise RuntimeError("call setup(model) before generating")
+        self.exe, self.decode_text, self.on_done, self.on_token = executor, decode_text, on_done, on_token
+        self.sched = Scheduler(executor.max_batch, executor.max_model_len, executor.eos)
+        self.inflight = None  # (token ids on the device, [(slot, seq, tokens cached after the step)])
+        self._added = 0
+
+    @property
+    def busy(self) -> bool:
+        """Something is waiting, running or still on the device."""
+        return not self.sched.done or self.inflight is not None
+
+    def add(self, prepared: Prepared, *, index: int | None = None) -> Sequence:
+        """Queue a request; it is admitted at a coming :meth:`step` (in arrival order)."""
+        req = prepared.request
+        result = Result(id=req.id, prompt=req.prompt, prompt_token_ids=(
+            [] if req.inputs_embeds is not None else [int(t) for t in prepared.input_ids]))
+        seq = Sequence(prepared=prepared, result=result, index=self._added if index is None else index,
+                       rng=np.random.default_rng(req.seed))
+        self._added += 1
+        self.sched.add(seq)
+        return seq
+
+    def cancel(self, seq: Sequence, reason: str = "abort") -> None:
+        """Stop ``seq`` now (a client went away, a stop string matched): its slot is free for the
+        next waiting request, its result ends with ``finish_reason=reason``."""
+        if seq.result.finish_reason or seq.result.error:  # over already
+            return
+        if seq in self.sched.waiting:
+            self.sched.waiting.remove(seq)
+        self.sched.drop(seq)
+        seq.result.finish_reason = reason
+        seq.result.text = self.decode_text(seq.result.token_ids)
+        self._done(seq)
+
+    def _done(self, seq: Sequence) -> None:
+        r = seq.result
+        r.latency_s = time.perf_counter() - self.sched.t0 - seq.t_added
+        r.graphs_compiled_after_warmup = self.exe.graphs_since_warmup()
+        if self.on_done:
+            self.on_done(seq)
+
+    def _emit(self, seq: Sequence, token: int, cached: int) -> None:
+        finished = self.sched.emit(seq, token, cached, self.decode_text)
+        if self.on_token:
+            self.on_token(seq, token)
+        if finished:
+            self._done(seq)
+
+    def step(self) -> None:
+        """Admit what fits (prefill, first token), then one decode step for every running sequence."""
+        exe, sched = self.exe, self.sched
+        for seq in sched.admit():
+            try:
+                if seq.length + 1 > exe.max_model_len:
+                    raise MmzooError(f"prompt has {seq.length} tokens; max_model_len={exe.max_model_len} "
+                                     f"leaves no room to generate")
+                first = exe.prefill(exe.prefill_inputs(seq.prepared, seq.slot), exe.sampling_for({0: seq}, 1))
+                exe.step_done()
+                token = int(first.cpu()[0])
+            except MmzooError as e:
+                sched.drop(seq)
+                seq.result.error = str(e)
+                self._done(seq)
+                continue
+            seq.result.ttft_s = time.perf_counter() - sched.t0 - seq.t_added
+            self._emit(seq, token, seq.length)
+        inflight = self.inflight
+        flying = {slot: seq for slot, seq, _ in inflight[1]} if inflight else {}
+        ahead = {slot for slot, seq in sched.running.items() if flying.get(slot) is seq}  # a token in flight
+        go = sched.to_decode(ahead)
+        launched = None
+        if go:
+            out = exe.decode(exe.decode_inputs(go, ahead & set(go)), exe.sampling_for(go, exe.max_batch),
+                             prev=inflight[0] if inflight else None)
+            exe.step_done()
+            for seq in go.values():
+                seq.length += 1
+            launched = (out, [(slot, seq, seq.length) for slot, seq in go.items()])
+        if inflight:
+            tokens = inflight[0].cpu().numpy()
+            for slot, seq, cached in inflight[1]:
+                if sched.running.get(slot) is seq:
+                    self._emit(seq, int(tokens[slot]), cached)
+        self.inflight = launched
+
+    def settle(self) -> None:
+        """Wait for a launched step whose tokens nobody will read (a run stopped early)."""
+        if self.inflight is not None:
+            self.inflight[0].cpu()
+            self.inflight = None

@@ -30,6 +30,7 @@ class Sequence:
     slot: int = -1
     length: int = 0  # tokens in the cache
     last: int = 0  # the newest token, not yet in the cache
+    t_added: float = 0.0  # when it was queued, in seconds after the run's start
 
     @property
     def request(self):
@@ -76,6 +77,7 @@ class Scheduler:
     t0: float = field(default_factory=time.perf_counter)
 
     def add(self, seq: Sequence) -> None:
+        seq.t_added = time.perf_counter() - self.t0
         self.waiting.append(seq)
 
     @property
@@ -109,7 +111,7 @@ class Scheduler:
         finished the sequence (its slot is free from now on)."""
         req, res = seq.request, seq.result
         res.token_ids.append(token)
-        res.token_times_s.append(time.perf_counter() - self.t0)
+        res.token_times_s.append(time.perf_counter() - self.t0 - seq.t_added)
         seq.last = token
         reason = ("stop" if (token in self.eos and not req.ignore_eos) or token in req.stop_token_ids else
                   "length" if len(res.token_ids) >= req.max_new_tokens else

@@ -7,6 +7,7 @@ what a request names) and its errors do not say which item of which field failed
 from __future__ import annotations
 
 import contextlib
+import io
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,8 +32,13 @@ MAX_IMAGE_PIXELS = 89_478_485
 
 
 def load_image(item: Any, field: str) -> Image.Image:
-    """A PIL RGB image from a path, a PIL image or an ``[h, w, 3]`` uint8 array, within the size
-    limits above."""
+    """A PIL RGB image from a path, the bytes of an image file (a server's ``data:`` URL), a PIL
+    image or an ``[h, w, 3]`` uint8 array, within the size limits above."""
+    if isinstance(item, (bytes, bytearray)):
+        if not item:
+            raise MmzooError(f"{field}: the image data is empty (0 bytes)")
+        with _open_image(io.BytesIO(item), field, name="the image data") as img:
+            return img.convert("RGB")
     if isinstance(item, Image.Image):
         _check_size(*item.size, field, "the image")
         return item.convert("RGB")
@@ -46,13 +52,15 @@ def load_image(item: Any, field: str) -> Image.Image:
 
 
 @contextlib.contextmanager
-def _open_image(path: Path, field: str) -> Iterator[Image.Image]:
+def _open_image(path: Path | io.BytesIO, field: str, name: str | None = None) -> Iterator[Image.Image]:
     """The opened image file, its size checked from the header before anything is decoded; the
-    errors of opening and of decoding it (in the ``with`` body) name the item."""
+    errors of opening and of decoding it (in the ``with`` body) name the item (``name``: how to
+    call it in messages; the path by default)."""
+    source, path = path, name or path
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # _check_size refuses it, with the size
-            with Image.open(path) as img:
+            with Image.open(source) as img:
                 _check_size(*img.size, field, str(path))
                 yield img
     except Image.DecompressionBombError as e:  # over twice Pillow's threshold: Image.open refuses it itself
@@ -139,8 +147,6 @@ def _gif_frames(path: Path, field: str) -> list[Image.Image]:
 def load_audios(items: list[Any], sampling_rate: int, field: str = "audios") -> list[np.ndarray]:
     """Mono float32 clips at ``sampling_rate``: files are read and resampled with librosa; 1-D arrays
     are taken as already at that rate. Errors name the item."""
-    import librosa
-
     clips = []
     for i, item in enumerate(items or []):
         name = f"{field}[{i}]"
@@ -150,14 +156,14 @@ def load_audios(items: list[Any], sampling_rate: int, field: str = "audios") -> 
                 raise MmzooError(f"{name}: an audio array must be 1-D float samples at {sampling_rate} Hz, "
                                  f"got {clip.dtype} {list(clip.shape)}")
             where = "the array"
+        elif isinstance(item, (bytes, bytearray)):  # an encoded file (wav, flac, ogg: what soundfile reads)
+            if not item:
+                raise MmzooError(f"{name}: the audio data is empty (0 bytes)")
+            clip = _read_audio(io.BytesIO(item), sampling_rate, name, "the audio data")
+            where = "the audio data"
         else:
             path = _file(item, name, "audio file")
-            try:
-                with warnings.catch_warnings():  # librosa warns before its fallback decoder; the error says it all
-                    warnings.simplefilter("ignore")
-                    clip, _ = librosa.load(str(path), sr=sampling_rate, mono=True)
-            except Exception as e:  # soundfile, audioread and resampling errors have no common base
-                raise MmzooError(f"{name}: {path} is not a readable audio file ({e.__class__.__name__})") from None
+            clip = _read_audio(str(path), sampling_rate, name, str(path))
             where = str(path)
         if clip.size == 0:
             raise MmzooError(f"{name}: {where} is empty (no samples)")
@@ -165,3 +171,16 @@ def load_audios(items: list[Any], sampling_rate: int, field: str = "audios") -> 
             raise MmzooError(f"{name}: {where} has non-finite samples")
         clips.append(clip.astype(np.float32))
     return clips
+
+
+def _read_audio(source, sampling_rate: int, field: str, what: str) -> np.ndarray:
+    """Mono samples at ``sampling_rate`` (librosa reads and resamples), or an error naming ``what``."""
+    import librosa
+
+    try:
+        with warnings.catch_warnings():  # librosa warns before its fallback decoder; the error says it all
+            warnings.simplefilter("ignore")
+            clip, _ = librosa.load(source, sr=sampling_rate, mono=True)
+    except Exception as e:  # soundfile, audioread and resampling errors have no common base
+        raise MmzooError(f"{field}: {what} is not a readable audio file ({e.__class__.__name__})") from None
+    return clip

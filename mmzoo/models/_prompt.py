@@ -31,21 +31,28 @@ def expand_runs(ids: np.ndarray, token: int, counts: list[int], *, what: str, no
 
 
 def render_prompt(processor, request: Request, kinds: list[str], placeholders: dict[str, tuple[str, list[int]]]):
-    """The chat template's one user turn (the items of ``kinds`` in order, then the text), with each
-    item's placeholder expanded to its count; returns the token ids.
+    """The chat template over the request's conversation, with each item's placeholder expanded to
+    its count; returns the token ids. The conversation is ``request.messages`` (its media parts
+    standing for the items in order), or one user turn: the items of ``kinds`` in order, then
+    ``request.prompt``.
 
-    ``placeholders`` maps a kind to ``(placeholder text, per-item counts)``; a prompt that already
+    ``placeholders`` maps a kind to ``(placeholder text, per-item counts)``; a text that already
     holds a placeholder string is refused, since the items could no longer be told apart.
     """
-    content = [{"type": kind} for kind in kinds for _ in placeholders[kind][1]]
-    content.append({"type": "text", "text": request.prompt})
+    if request.messages is not None:
+        messages = request.messages
+        texts = _check_messages(messages, {kind: len(placeholders[kind][1]) for kind in kinds})
+    else:
+        content = [{"type": kind} for kind in kinds for _ in placeholders[kind][1]]
+        content.append({"type": "text", "text": request.prompt})
+        messages, texts = [{"role": "user", "content": content}], [("prompt", request.prompt)]
     for kind in kinds:
         pad = placeholders[kind][0]
-        if pad in request.prompt:
-            raise MmzooError(f"prompt contains the {kind} placeholder {pad!r}; the chat template adds one per "
-                             f"{kind} given in {kind}s (or use prompt_token_ids)")
-    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+        for where, text in texts:
+            if pad in text:
+                raise MmzooError(f"{where} contains the {kind} placeholder {pad!r}; the chat template adds one per "
+                                 f"{kind} given in {kind}s (or use prompt_token_ids)")
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     for kind in kinds:
         pad, counts = placeholders[kind]
         pieces = text.split(pad)
@@ -54,6 +61,39 @@ def render_prompt(processor, request: Request, kinds: list[str], placeholders: d
                              f"{len(counts)} {kind}s")
         text = pieces[0] + "".join(pad * n + rest for n, rest in zip(counts, pieces[1:]))
     return np.asarray(processor.tokenizer(text)["input_ids"], dtype=np.int64)
+
+
+MEDIA_PARTS = ("image", "video", "audio")
+
+
+def _check_messages(messages: list[dict], items: dict[str, int]) -> list[tuple[str, str]]:
+    """Refuse a malformed conversation, or one whose media parts do not match the items given;
+    returns its texts as ``(where, text)``."""
+    if not messages:
+        raise MmzooError("messages is empty")
+    texts, seen = [], dict.fromkeys(MEDIA_PARTS, 0)
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message.get("role"), str):
+            raise MmzooError(f"{where}.role must be a string, got {message.get('role')!r}")
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append((f"{where}.content", content))
+            continue
+        if not isinstance(content, list):
+            raise MmzooError(f"{where}.content must be a string or a list of parts, got {type(content).__name__}")
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append((f"{where}.content[{j}].text", part["text"]))
+            elif kind in MEDIA_PARTS:
+                seen[kind] += 1
+            else:
+                raise MmzooError(f"{where}.content[{j}] must be a text part or one of {MEDIA_PARTS}, got {part!r}"[:300])
+    for kind in MEDIA_PARTS:
+        if seen[kind] != items.get(kind, 0):
+            raise MmzooError(f"messages hold {seen[kind]} {kind} parts but {items.get(kind, 0)} {kind}s are given")
+    return texts
 
 
 def prepare_inputs_embeds(request: Request, *, hidden: int, position_axes: int = 1) -> Prepared:

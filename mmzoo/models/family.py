@@ -149,6 +149,10 @@ class Family:
         """One request -> token ids, positions, the placeholder -> embedding-row map and the tower
         calls, all on the host. ``hidden_size`` is the LM's width (precomputed embeddings must match)."""
         self.refuse(request)
+        if request.messages is not None and (request.prompt or request.prompt_token_ids is not None
+                                             or request.inputs_embeds is not None):
+            raise MmzooError("messages is the whole conversation; do not also give prompt, prompt_token_ids "
+                             "or inputs_embeds")
         if request.inputs_embeds is not None:
             return prepare_inputs_embeds(request, hidden=hidden_size, position_axes=self.position_axes)
         media: dict[str, Media] = {}

@@ -1,0 +1,3 @@
+from mmzoo.serve.app import main
+
+main()

@@ -1,0 +1,374 @@
+"""``python -m mmzoo.serve``: an OpenAI-compatible server on the shared executor, continuously batched.
+
+Examples::
+
+    python -m mmzoo.serve                                    # the embedded demo, 127.0.0.1:8000
+    python -m mmzoo.serve model=qwen2_vl checkpoint=DIR attention=pallas media_dir=./images port=8001
+
+Then, with the ``openai`` package::
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+    client.chat.completions.create(model="qwen2_vl_shapes", messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}},
+        {"type": "text", "text": "What shape is this?"}]}], temperature=0)
+
+Every bucket is compiled before the port opens (``executor.warmup=all``). Handlers only validate,
+prepare on the host and enqueue; one :class:`~mmzoo.serve.loop.EngineLoop` thread owns the device.
+SIGINT / SIGTERM stop accepting connections, let the requests in flight finish (at most
+``drain_timeout_s``), then exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from omegaconf import DictConfig
+
+from mmzoo.cli import hydra_main
+from mmzoo.errors import MmzooError
+from mmzoo.serve.loop import EngineLoop, Stream
+from mmzoo.serve.protocol import (
+    BadRequest,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessageOut,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    MediaSource,
+    ModelCard,
+    ModelList,
+    Usage,
+    chat_request,
+    finish_reason,
+    new_id,
+    now,
+)
+from mmzoo.types import Request
+
+
+class TextStream:
+    """Incremental text of a generation, with OpenAI's ``stop`` strings: :meth:`push` takes each
+    token and gives the text that is safe to send (held back while it could still become a stop
+    string, or ends inside a multi-byte character); a matched stop string ends the text before it."""
+
+    def __init__(self, decode, stops: list[str]):
+        self.decode, self.stops = decode, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.tokens: list[int] = []
+        self.text, self.sent, self.stopped = "", 0, False
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        self.text = self.decode(self.tokens)
+        if self.stops:
+            start = max(0, self.sent - self.hold)
+            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            if hits:
+                self.text, self.stopped = self.text[:min(hits)], True
+                return self.flush()
+        safe = len(self.text) - self.hold
+        if self.text.endswith("\ufffd"):  # the tokenizer's bytes so far end inside a character
+            safe = min(safe, len(self.text) - 1)
+        if safe <= self.sent:
+            return ""
+        delta, self.sent = self.text[self.sent:safe], safe
+        return delta
+
+    def flush(self) -> str:
+        delta, self.sent = self.text[self.sent:], len(self.text)
+        return delta
+
+
+def _error_body(message: str, param: str | None, status: int = 400) -> dict:
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def _loc(loc: tuple) -> str:
+    parts = [x for x in loc if x != "body"]
+    return "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in parts).lstrip(".") or "body"
+
+
+def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
+               start_loop: bool = True):
+    """The FastAPI application serving ``engine`` (built and warmed up).
+
+    Args:
+        engine: an :class:`~mmzoo.engine.Engine`; the app's engine loop owns it while the app runs.
+        served_model_name: the name clients pass as ``model``.
+        media_dir: the directory local image / embeddings paths may name; None: only ``data:`` URLs.
+        start_loop: start the engine loop with the app's lifespan (tests may drive it themselves).
+    """
+    loop_ = EngineLoop(engine)
+    media = MediaSource(media_dir)
+    prepare_lock = threading.Lock()  # one request's host preparation at a time (the tokenizer is shared)
+    max_model_len = engine.executor.max_model_len
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if start_loop:
+            loop_.start()
+        yield
+        loop_.stop(timeout=60)
+
+    app = FastAPI(title="mmzoo", lifespan=lifespan)
+    app.state.engine_loop = loop_
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request, exc: BadRequest):
+        return JSONResponse(_error_body(str(exc), exc.param), status_code=400)
+
+    @app.exception_handler(MmzooError)
+    async def _mmzoo(request, exc: MmzooError):
+        return JSONResponse(_error_body(str(exc), None), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+        param = _loc(tuple(first.get("loc", ())))
+        msg = "; ".join(f"{_loc(tuple(e.get('loc', ())))}: {e.get('msg')}" for e in errors[:3])
+        return JSONResponse(_error_body(msg, param), status_code=400)
+
+    def check_model(name: str) -> None:
+        if name != served_model_name:
+            raise BadRequest(f"model {name!r} is not served here; this server serves {served_model_name!r}", "model")
+
+    def prepare(fields: dict[str, Any], names: dict[str, str] | None = None):
+        """The prepared request; an error names the item as the request did (``images[0]`` ->
+        ``messages[1].content[0].image_url``)."""
+        try:
+            request = Request.parse(fields, where="request")
+            with prepare_lock:
+                return engine.prepare(request)
+        except MmzooError as e:
+            msg = str(e)
+            for item, param in (names or {}).items():
+                if msg.startswith(item):
+                    raise BadRequest(param + msg[len(item):], param) from None
+            raise
+
+    async def generate(prepared, stops: list[str], http: HTTPRequest):
+        """Yield ``(text delta, None)`` per token, then ``("", (finish_reason, prompt_tokens,
+        completion_tokens))``; a client that goes away cancels the sequence."""
+        stream = loop_.submit(prepared, asyncio.get_running_loop())
+        text = TextStream(engine.decode, stops)
+        finished = False
+        try:
+            while True:
+                item = await stream.events.get()
+                if item is None:
+                    break
+                if text.stopped:
+                    continue
+                delta = text.push(item)
+                if text.stopped:
+                    loop_.cancel(stream, "stop")
+                if delta:
+                    yield delta, None
+            result = stream.result
+            if result.error and not result.token_ids:
+                raise MmzooError(result.error)
+            tail = text.flush()
+            if tail:
+                yield tail, None
+            reason = "stop" if text.stopped else finish_reason(result.finish_reason)
+            finished = True
+            yield "", (reason, len(prepared.input_ids), len(text.tokens))
+        finally:
+            if not finished:  # the client went away (or the handler failed): free the slot now
+                loop_.cancel(stream)
+
+    async def until_disconnected(http: HTTPRequest) -> None:
+        while True:
+            message = await http.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    async def respond(kind: str, body, prepared, http: HTTPRequest):
+        rid, created = new_id("chatcmpl" if kind == "chat" else "cmpl"), now()
+        stops = body.stops()
+        if body.stream:
+            return StreamingResponse(sse(kind, body, prepared, stops, rid, created, http),
+                                     media_type="text/event-stream")
+        collect = asyncio.ensure_future(_collect(generate(prepared, stops, http)))
+        gone = asyncio.ensure_future(until_disconnected(http))
+        done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if collect not in done:  # the client left: cancelling the collector cancels the sequence
+            collect.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await collect
+            return PlainTextResponse("", status_code=499)
+        gone.cancel()
+        text, (reason, n_prompt, n_out) = collect.result()
+        usage = Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+        if kind == "chat":
+            return ChatCompletion(id=rid, created=created, model=body.model, usage=usage, choices=[
+                ChatChoice(message=ChatMessageOut(content=text), finish_reason=reason)])
+        return Completion(id=rid, created=created, model=body.model, usage=usage,
+                          choices=[CompletionChoice(text=text, finish_reason=reason)])
+
+    async def sse(kind, body, prepared, stops, rid, created, http) -> AsyncIterator[str]:
+        def event(obj) -> str:
+            return f"data: {obj.model_dump_json()}\n\n"
+
+        def chunk(delta: str | None, reason: str | None, first: bool = False):
+            if kind == "chat":
+                return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[ChunkChoice(
+                    delta=Delta(role="assistant" if first else None, content=delta), finish_reason=reason)])
+            return Completion(id=rid, created=created, model=body.model,
+                              choices=[CompletionChoice(text=delta or "", finish_reason=reason)])
+
+        try:
+            if kind == "chat":
+                yield event(chunk("", None, first=True))
+            async for delta, end in generate(prepared, stops, http):
+                if end is None:
+                    yield event(chunk(delta, None))
+                    continue
+                reason, n_prompt, n_out = end
+                yield event(chunk(None if kind == "chat" else "", reason))
+                if body.include_usage:
+                    usage = Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+                    cls = ChatCompletionChunk if kind == "chat" else Completion
+                    yield f"data: {cls(id=rid, created=created, model=body.model, choices=[], usage=usage).model_dump_json()}\n\n"
+        except MmzooError as e:
+            yield f"data: {json.dumps(_error_body(str(e), None))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+        check_model(body.model)
+        body.refuse_unsupported()
+        body.stops()
+        fields, names = chat_request(body, media, engine.family)
+        prepared = await run_in_threadpool(prepare, fields, names)
+        return await respond("chat", body, prepared, http)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        check_model(body.model)
+        body.refuse_unsupported()
+        body.stops()
+        if isinstance(body.prompt, str):
+            if not body.prompt:
+                raise BadRequest("prompt is empty", "prompt")
+            ids = await run_in_threadpool(lambda: engine.processor.tokenizer(body.prompt)["input_ids"])
+        else:
+            ids = body.prompt
+        prepared = await run_in_threadpool(prepare, {"prompt_token_ids": list(ids), **body.request_fields()})
+        return await respond("completion", body, prepared, http)
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[ModelCard(id=served_model_name, created=now(), max_model_len=max_model_len)])
+
+    @app.get("/health")
+    async def health():
+        if loop_.error is not None or (start_loop and not loop_.alive):
+            return JSONResponse({"status": "error", "error": repr(loop_.error)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        s = loop_.stats
+        lines = []
+        for name, kind, help_, value in (
+                ("mmzoo_requests_running", "gauge", "Requests holding a KV-cache slot.", s.running),
+                ("mmzoo_requests_waiting", "gauge", "Requests queued for a slot.", s.waiting),
+                ("mmzoo_requests_finished_total", "counter", "Requests finished, failed or cancelled.",
+                 s.requests_finished),
+                ("mmzoo_prompt_tokens_total", "counter", "Prompt tokens admitted.", s.prompt_tokens),
+                ("mmzoo_generation_tokens_total", "counter", "Tokens generated.", s.generation_tokens),
+                ("mmzoo_generation_tokens_per_second", "gauge", "Tokens generated per second, last 10 s.",
+                 round(s.tokens_per_s(), 3)),
+                ("mmzoo_graphs_compiled_after_warmup", "gauge", "Graphs compiled since warmup (0 expected).",
+                 loop_.graphs_after_warmup())):
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _collect(gen) -> tuple[str, tuple]:
+    parts, end = [], None
+    async for delta, fin in gen:
+        parts.append(delta)
+        if fin is not None:
+            end = fin
+    return "".join(parts), end
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's graceful stop on SIGINT / SIGTERM (stop accepting, finish what is in flight
+        within ``timeout_graceful_shutdown``), without re-raising the signal after it: a server
+        that drained cleanly exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+        def _on_signal(self, signum, frame) -> None:
+            if self.should_exit:
+                self.force_exit = True
+                return
+            print(f"mmzoo: {signal.Signals(signum).name}: not accepting new connections; finishing the requests in "
+                  f"flight (at most {self.config.timeout_graceful_shutdown} s)", file=sys.stderr, flush=True)
+            self.should_exit = True
+
+    return Server
+
+
+def run(cfg: DictConfig) -> None:
+    """Build and warm up the engine from ``cfg``, then serve until SIGINT / SIGTERM."""
+    import uvicorn
+
+    from mmzoo.engine import build
+
+    if cfg.media_dir is not None and not Path(cfg.media_dir).is_dir():
+        raise MmzooError(f"media_dir={cfg.media_dir} is not a directory")
+    t0 = time.perf_counter()
+    engine = build(cfg, verbose=True)
+    name = cfg.served_model_name or Path(str(engine.checkpoint)).name
+    app = create_app(engine, served_model_name=name, media_dir=cfg.media_dir)
+    config = uvicorn.Config(app, host=str(cfg.host), port=int(cfg.port), log_level=str(cfg.log_level),
+                            timeout_graceful_shutdown=int(cfg.drain_timeout_s), access_log=bool(cfg.access_log))
+    server = _server_class()(config)
+    print(f"mmzoo: serving {name!r} on http://{cfg.host}:{cfg.port}/v1 (ready {time.perf_counter() - t0:.1f} s "
+          f"after start; media_dir={cfg.media_dir})", file=sys.stderr, flush=True)
+    server.run()
+    print("mmzoo: stopped", file=sys.stderr, flush=True)
+
+
+main = hydra_main(run, "serve")

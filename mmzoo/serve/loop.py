@@ -1,0 +1,153 @@
+"""The engine loop: the one thread that owns the device while a server runs.
+
+HTTP handlers never touch the executor. They prepare a request on the host (validation, media
+decoding, tokenizing), then :meth:`EngineLoop.submit` it and read its tokens from a
+:class:`Stream`. The loop thread admits what arrived into the running
+:class:`~mmzoo.executor.base.Generation` before every step, so a request that arrives while
+others decode joins the batch at the next step (continuous batching); a cancelled one (a client
+gone, a stop string matched) frees its KV-cache slot at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from mmzoo.executor.base import Generation
+from mmzoo.executor.scheduler import Sequence
+from mmzoo.types import Prepared, Result
+
+
+@dataclass
+class Stream:
+    """One request's side of the loop: token ids as they come, then its :class:`Result` (``None``
+    in :attr:`events` marks the end). Filled from the loop thread, read on the event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    result: Result | None = None
+    seq: Sequence | None = None
+
+    def _put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+
+@dataclass
+class Stats:
+    """What ``/metrics`` reports, kept by the loop thread."""
+
+    running: int = 0
+    waiting: int = 0
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=1 << 16))  # when each recent token came
+
+    def tokens_per_s(self, window_s: float = 10.0) -> float:
+        """Generated tokens per second over the last ``window_s`` seconds."""
+        now = time.monotonic()
+        return sum(1 for t in list(self.recent) if now - t <= window_s) / window_s
+
+
+class EngineLoop:
+    """Runs an :class:`~mmzoo.engine.Engine`'s executor for a server: one thread, one
+    :class:`Generation` over the engine's KV cache, fed through a queue.
+
+    Args:
+        engine: a built engine (warmed up); the loop holds its lock while it runs, so the
+            engine's own ``generate`` waits until the loop stops.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.stats = Stats()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mmzoo-engine-loop", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish what is running (it was drained by the server already), then end the thread."""
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def graphs_after_warmup(self) -> int:
+        return int(self.engine.executor.graphs_since_warmup() or 0)
+
+    def submit(self, prepared: Prepared, loop: asyncio.AbstractEventLoop) -> Stream:
+        """Queue a prepared request; its tokens and result arrive on the returned stream."""
+        stream = Stream(loop=loop)
+        self.stats.waiting += 1
+        self._inbox.put(("add", (prepared, stream)))
+        return stream
+
+    def cancel(self, stream: Stream, reason: str = "abort") -> None:
+        """Stop a request now (safe from any thread); its slot frees at the loop's next turn."""
+        self._inbox.put(("cancel", (stream, reason)))
+
+    # -- the loop thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        streams: dict[int, Stream] = {}  # id(seq) -> stream
+
+        def on_token(seq: Sequence, token: int) -> None:
+            self.stats.generation_tokens += 1
+            self.stats.recent.append(time.monotonic())
+            streams[id(seq)]._put(token)
+
+        def on_done(seq: Sequence) -> None:
+            stream = streams.pop(id(seq))
+            stream.result = seq.result
+            self.stats.requests_finished += 1
+            stream._put(None)
+
+        try:
+            with engine._lock:
+                gen = Generation(engine.executor, decode_text=engine.decode, on_done=on_done, on_token=on_token)
+                while True:
+                    if not self._take(gen, streams, block=not gen.busy):
+                        break
+                    if gen.busy:
+                        gen.step()
+                    self.stats.running = len(gen.sched.running)
+                    self.stats.waiting = len(gen.sched.waiting) + self._inbox.qsize()
+                gen.settle()
+        except BaseException as e:  # noqa: BLE001 - reported by /health; every open stream is ended
+            self.error = e
+            for stream in streams.values():
+                stream.result = Result(id=None, prompt="", error=f"the engine loop failed: {e!r}")
+                stream._put(None)
+            raise
+
+    def _take(self, gen: Generation, streams: dict[int, Stream], *, block: bool) -> bool:
+        """Apply what the handlers queued (block for the first when idle); False when stopping."""
+        while True:
+            if self._stop.is_set() and not gen.busy and self._inbox.empty():
+                return False
+            try:
+                kind, payload = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            if kind == "add":
+                prepared, stream = payload
+                seq = gen.add(prepared)
+                stream.seq = seq
+                streams[id(seq)] = stream
+                self.stats.prompt_tokens += len(prepared.input_ids)
+            elif kind == "cancel":
+                stream, reason = payload
+                if stream.seq is not None:
+                    gen.cancel(stream.seq, reason)
+            block = False

@@ -1,0 +1,362 @@
+"""OpenAI's request and response schemas (the subset mmzoo serves), as pydantic models, and the
+conversion of a request into an :class:`mmzoo.Request`.
+
+Media reach the model only as ``data:`` URLs or as files under the configured media directory;
+nothing is ever fetched. mmzoo's own content part ``{"type": "mmzoo_embeds", "mmzoo_embeds":
+{"path": "emb.safetensors"}}`` names an ``mmzoo.encode`` file (under the media directory) whose
+embeddings replace the images / audios of that request.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mmzoo.errors import MmzooError
+
+
+class BadRequest(MmzooError):
+    """A request the server refuses (HTTP 400), naming the offending field (``param``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+# ------------------------------------------------------------------------------------ requests
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class InputAudio(BaseModel):
+    data: str  # base64
+    format: str = "wav"
+
+
+class AudioPart(BaseModel):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class EmbedsRef(BaseModel):
+    path: str
+
+
+class EmbedsPart(BaseModel):
+    type: Literal["mmzoo_embeds"]
+    mmzoo_embeds: EmbedsRef
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart, AudioPart, EmbedsPart], Field(discriminator="type")]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id, ...: not used
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = True
+
+
+class Sampling(BaseModel):
+    """The fields both endpoints share. Fields OpenAI defines that mmzoo does not implement are
+    refused when set to anything but their neutral value (:meth:`refuse_unsupported`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; -1 or 0: off
+    seed: int | None = Field(default=None, ge=0)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extension
+    user: str | None = None
+
+    _NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": None,
+                "tools": None, "tool_choice": None, "logit_bias": None, "best_of": None, "echo": False,
+                "suffix": None, "response_format": None}
+
+    def refuse_unsupported(self) -> None:
+        if self.n != 1:
+            raise BadRequest(f"n={self.n}: mmzoo returns one choice per request (n=1)", "n")
+        for name, value in (self.model_extra or {}).items():
+            if name in self._NEUTRAL and value not in (self._NEUTRAL[name], None):
+                if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+                    continue
+                raise BadRequest(f"{name}={value!r} is not supported by mmzoo", name)
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise BadRequest("stop strings must not be empty", "stop")
+        return stops
+
+    def request_fields(self) -> dict[str, Any]:
+        """The :class:`mmzoo.Request` sampling fields (OpenAI's defaults: temperature 1)."""
+        out: dict[str, Any] = {"temperature": 1.0 if self.temperature is None else float(self.temperature),
+                               "ignore_eos": self.ignore_eos}
+        limit = self.max_completion_tokens or self.max_tokens
+        if limit is not None:
+            out["max_new_tokens"] = limit
+        if self.top_p is not None:
+            out["top_p"] = float(self.top_p)
+        if self.top_k is not None and self.top_k > 0:
+            out["top_k"] = self.top_k
+        if self.seed is not None:
+            out["seed"] = self.seed
+        return out
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is None or self.stream_options.include_usage
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int]
+
+
+# ----------------------------------------------------------------------------------- responses
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "mmzoo"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def finish_reason(reason: str) -> str:
+    """mmzoo's finish reasons in OpenAI's words."""
+    return {"max_model_len": "length"}.get(reason, reason)
+
+
+# ------------------------------------------------------------------------ OpenAI -> mmzoo.Request
+
+class MediaSource:
+    """Where a request's media may come from: ``data:`` URLs, and files under ``media_dir`` (none
+    when it is None). ``file://`` URLs and plain paths are resolved (symlinks too) and must stay
+    inside the directory."""
+
+    def __init__(self, media_dir: str | Path | None):
+        self.root = Path(media_dir).resolve() if media_dir else None
+
+    def data_url(self, url: str, param: str) -> bytes:
+        head, _, payload = url.partition(",")
+        if not head.endswith(";base64") or not payload:
+            raise BadRequest(f"{param}: a data: URL must be base64 (data:<mime>;base64,<data>)", param)
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise BadRequest(f"{param}: the data: URL is not valid base64 ({e})", param) from None
+
+    def file(self, ref: str, param: str) -> Path:
+        if self.root is None:
+            raise BadRequest(f"{param}: local files are not served (start the server with media_dir=DIR)", param)
+        path = Path(ref[len("file://"):] if ref.startswith("file://") else ref)
+        path = (path if path.is_absolute() else self.root / path).resolve()
+        if os.path.commonpath([path, self.root]) != str(self.root):
+            raise BadRequest(f"{param}: {ref} is outside the allowed media directory {self.root}", param)
+        return path
+
+    def image(self, url: str, param: str) -> bytes | str:
+        if url.startswith("data:"):
+            return self.data_url(url, param)
+        if "://" in url and not url.startswith("file://"):
+            raise BadRequest(f"{param}: {url.split('://')[0]}:// URLs are not fetched; send a data: URL or a "
+                             f"path under the media directory", param)
+        return str(self.file(url, param))
+
+
+def chat_request(body: ChatCompletionRequest, media: MediaSource, family) -> tuple[dict[str, Any], dict[str, str]]:
+    """The :class:`mmzoo.Request` fields of a chat completion (transformers-style messages whose
+    media parts stand for ``images`` / ``audios`` in order, or an ``embeds`` file), and the
+    request's name of each media item (``images[0]`` -> ``messages[1].content[0].image_url``)."""
+    modalities = family.modalities
+    names: dict[str, str] = {}
+    messages: list[dict[str, Any]] = []
+    images: list[Any] = []
+    audios: list[Any] = []
+    embeds: str | None = None
+    for i, msg in enumerate(body.messages):
+        if msg.content is None or isinstance(msg.content, str):
+            messages.append({"role": "system" if msg.role == "developer" else msg.role, "content": msg.content or ""})
+            continue
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(msg.content):
+            param = f"messages[{i}].content[{j}]"
+            if isinstance(part, TextPart):
+                parts.append({"type": "text", "text": part.text})
+            elif isinstance(part, ImagePart):
+                if "image" not in modalities:
+                    raise BadRequest(f"{param}: this model does not take images", param)
+                names[f"images[{len(images)}]"] = f"{param}.image_url"
+                images.append(media.image(part.image_url.url, f"{param}.image_url"))
+                parts.append({"type": "image"})
+            elif isinstance(part, AudioPart):
+                if "audio" not in modalities:
+                    raise BadRequest(f"{param}: this model does not take audio", param)
+                names[f"audios[{len(audios)}]"] = f"{param}.input_audio"
+                try:
+                    audios.append(base64.b64decode(part.input_audio.data, validate=True))
+                except (binascii.Error, ValueError) as e:
+                    raise BadRequest(f"{param}.input_audio.data is not valid base64 ({e})", param) from None
+                parts.append({"type": "audio"})
+            elif isinstance(part, EmbedsPart):
+                if embeds is not None:
+                    raise BadRequest(f"{param}: one mmzoo_embeds file per request", param)
+                embeds = str(media.file(part.mmzoo_embeds.path, f"{param}.mmzoo_embeds.path"))
+                kind = "image" if "image" in modalities else "audio"
+                parts.append({"type": kind, "embeds": True})
+        messages.append({"role": "system" if msg.role == "developer" else msg.role, "content": parts})
+    if embeds is not None:
+        if images or audios:
+            raise BadRequest("a request gives media parts or an mmzoo_embeds file, not both", "messages")
+        # the file's items: one placeholder part per item, in place of the single embeds part
+        messages = _expand_embeds_parts(messages, embeds, getattr(family, "tokens_per_image", None))
+    out: dict[str, Any] = {"messages": messages, **body.request_fields()}
+    if images:
+        out["images"] = images
+    if audios:
+        out["audios"] = audios
+    if embeds is not None:
+        out["embeds"] = embeds
+    return out, names
+
+
+def _expand_embeds_parts(messages: list[dict], path: str, tokens_per_image: int | None) -> list[dict]:
+    """Replace the one embeds part by one media part per item the file holds (its grid / lengths
+    rows; a fixed-size image tower's rows / tokens per image)."""
+    from mmzoo import embeds_file
+
+    tensors, _ = embeds_file.read(path)
+    counts = {"image": _items(tensors, "image", tokens_per_image), "audio": _items(tensors, "audio", None)}
+    out = []
+    for msg in messages:
+        content = msg["content"]
+        if isinstance(content, list):
+            new = []
+            for part in content:
+                if part.get("embeds"):
+                    for kind, n in counts.items():
+                        new += [{"type": kind}] * n
+                else:
+                    new.append(part)
+            msg = {**msg, "content": new}
+        out.append(msg)
+    return out
+
+
+def _items(tensors: dict, kind: str, per_item: int | None) -> int:
+    for layout in (f"{kind}_grid_thw", f"{kind}_lengths"):
+        if layout in tensors:
+            return int(tensors[layout].shape[0])
+    if f"{kind}_embeds" in tensors:
+        return int(tensors[f"{kind}_embeds"].shape[0]) // per_item if per_item else 1
+    return 0

@@ -168,7 +168,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
 
     async def generate(prepared, stops: list[str], http: HTTPRequest):
         """Yield ``(text delta, None)`` per token, then ``("", (finish_reason, prompt_tokens,
-        completion_tokens))``; a client that goes away cancels the sequence."""
+        generated token ids))``; a client that goes away cancels the sequence."""
         stream = loop_.submit(prepared, asyncio.get_running_loop())
         text = TextStream(engine.decode, stops)
         finished = False
@@ -192,7 +192,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                 yield tail, None
             reason = "stop" if text.stopped else finish_reason(result.finish_reason)
             finished = True
-            yield "", (reason, len(prepared.input_ids), len(text.tokens))
+            yield "", (reason, len(prepared.input_ids), list(text.tokens))
         finally:
             if not finished:  # the client went away (or the handler failed): free the slot now
                 loop_.cancel(stream)
@@ -218,13 +218,14 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                 await collect
             return PlainTextResponse("", status_code=499)
         gone.cancel()
-        text, (reason, n_prompt, n_out) = collect.result()
-        usage = Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+        text, (reason, n_prompt, tokens) = collect.result()
+        usage = Usage(prompt_tokens=n_prompt, completion_tokens=len(tokens), total_tokens=n_prompt + len(tokens))
+        ids = tokens if body.return_token_ids else None
         if kind == "chat":
             return ChatCompletion(id=rid, created=created, model=body.model, usage=usage, choices=[
-                ChatChoice(message=ChatMessageOut(content=text), finish_reason=reason)])
+                ChatChoice(message=ChatMessageOut(content=text), finish_reason=reason, token_ids=ids)])
         return Completion(id=rid, created=created, model=body.model, usage=usage,
-                          choices=[CompletionChoice(text=text, finish_reason=reason)])
+                          choices=[CompletionChoice(text=text, finish_reason=reason, token_ids=ids)])
 
     async def sse(kind, body, prepared, stops, rid, created, http) -> AsyncIterator[str]:
         def event(obj) -> str:
@@ -244,7 +245,8 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                 if end is None:
                     yield event(chunk(delta, None))
                     continue
-                reason, n_prompt, n_out = end
+                reason, n_prompt, tokens = end
+                n_out = len(tokens)
                 yield event(chunk(None if kind == "chat" else "", reason))
                 if body.include_usage:
                     usage = Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)

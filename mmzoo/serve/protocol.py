@@ -98,6 +98,7 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension
+    return_token_ids: bool = False  # vLLM's extension: the generated token ids in each choice
     user: str | None = None
 
     _NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": None,
@@ -164,6 +165,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str | None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -200,6 +202,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None
     logprobs: None = None
+    token_ids: list[int] | None = None
 
 
 class Completion(BaseModel):

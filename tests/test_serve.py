@@ -1,0 +1,261 @@
+"""``python -m mmzoo.serve`` with the real ``openai`` client, on loopback (issue #17).
+
+One XLA server (small buckets, every graph compiled before the port opens) serves the tests of
+agreement, streaming, concurrency and bad requests; an eager one serves the tests that stop it.
+The offline reference is an in-process engine on the same checkpoint, greedy.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+import mmzoo
+
+XLA_SMALL = ["executor=xla", "executor.max_model_len=128", "executor.min_prefill=64", "executor.min_encoder_rows=64",
+             "executor.max_encoder_rows=64", "executor.max_batch=4", "executor.progress=false"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``python -m mmzoo.serve`` process on a free loopback port."""
+
+    def __init__(self, ckpt: Path, media_dir: Path, *overrides: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mmzoo.serve", f"checkpoint={ckpt}", f"port={self.port}", f"media_dir={media_dir}",
+             "served_model_name=tiny", *overrides],
+            env={**os.environ, "PJRT_DEVICE": "CPU"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 300:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited: {self.proc.stderr.read()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        else:
+            self.proc.kill()
+            raise AssertionError("the server did not come up in 300 s")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=120, max_retries=0)
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return {k: float(v) for k, v in (line.split() for line in text.splitlines() if line and line[0] != "#")}
+
+    def stop(self) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = self.proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        return self.proc.returncode, err
+
+
+def _data_url(path: str) -> str:
+    return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode()
+
+
+def _chat(image: str | None, text: str) -> list[dict]:
+    content = ([{"type": "image_url", "image_url": {"url": image}}] if image else []) + [{"type": "text", "text": text}]
+    return [{"role": "user", "content": content}]
+
+
+GREEDY = dict(temperature=0, max_tokens=8, extra_body={"return_token_ids": True})
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory, image_files):
+    root = tmp_path_factory.mktemp("media")
+    for f in image_files:
+        shutil.copy(f, root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def xla_server(qwen2_vl_ckpt, media):
+    server = Server(qwen2_vl_ckpt, media, *XLA_SMALL)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(qwen2_vl_ckpt):
+    """The offline engine's greedy tokens for a (image path or None, prompt) request."""
+    engine = mmzoo.load(qwen2_vl_ckpt, executor="eager")
+    cache: dict = {}
+
+    def tokens(image: str | None, prompt: str, max_new_tokens: int = 8) -> list[int]:
+        key = (image, prompt, max_new_tokens)
+        if key not in cache:
+            cache[key] = engine.generate(prompt, images=[image] if image else [],
+                                         max_new_tokens=max_new_tokens).token_ids
+        return cache[key]
+
+    tokens.engine = engine
+    return tokens
+
+
+def test_chat_with_an_image_equals_offline_greedy(xla_server, offline, image_files, media):
+    want = offline(image_files[0], "What is in the image?")
+    for url in (_data_url(image_files[0]), Path(image_files[0]).name):  # a data: URL, a file under media_dir
+        r = xla_server.client.chat.completions.create(model="tiny", messages=_chat(url, "What is in the image?"),
+                                                      **GREEDY)
+        choice = r.choices[0]
+        assert choice.model_extra["token_ids"] == want
+        assert choice.message.content == offline.engine.decode(want)
+        assert r.usage.completion_tokens == len(want) and r.usage.prompt_tokens > 0
+        assert choice.finish_reason == ("stop" if len(want) < 8 else "length")
+
+
+def test_stream_concatenates_to_the_same_text(xla_server, offline, image_files):
+    want = offline.engine.decode(offline(image_files[1], "Describe it."))
+    stream = xla_server.client.chat.completions.create(model="tiny", messages=_chat(_data_url(image_files[1]),
+                                                                                    "Describe it."),
+                                                       stream=True, temperature=0, max_tokens=8)
+    text, usage, reasons = [], None, []
+    for chunk in stream:
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            reasons.append(chunk.choices[0].finish_reason)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(text) == want
+    assert reasons[-1] in ("stop", "length") and all(r is None for r in reasons[:-1])
+    assert usage is not None and usage.completion_tokens >= 1
+
+
+def test_completions_and_models(xla_server, offline):
+    ids = offline.engine.processor.tokenizer("Once upon a time")["input_ids"]
+    want = offline.engine.generate({"prompt_token_ids": ids, "max_new_tokens": 6}).token_ids
+    r = xla_server.client.completions.create(model="tiny", prompt="Once upon a time", temperature=0, max_tokens=6,
+                                             extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == want
+    assert r.usage.prompt_tokens == len(ids)
+    assert [m.id for m in xla_server.client.models.list().data] == ["tiny"]
+
+
+def test_sixteen_concurrent_clients_match_offline_with_no_compiles(xla_server, offline, image_files):
+    jobs = [(image_files[i % 3] if i % 4 else None, f"Question {i}: what is this?") for i in range(16)]
+    want = [offline(img, q) for img, q in jobs]
+
+    def ask(job):
+        img, q = job
+        r = xla_server.client.chat.completions.create(model="tiny", messages=_chat(_data_url(img) if img else None, q),
+                                                      **GREEDY)
+        return r.choices[0].model_extra["token_ids"]
+
+    running, stop = [], threading.Event()
+
+    def watch():  # how many sequences share the decode batch while the clients wait
+        while not stop.is_set():
+            running.append(xla_server.metrics()["mmzoo_requests_running"])
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, jobs, timeout=240))
+    stop.set()
+    watcher.join()
+    assert got == want
+    assert max(running) == 4  # batched: every slot in use at once
+    assert time.monotonic() - t0 < 240
+    m = xla_server.metrics()
+    assert m["mmzoo_graphs_compiled_after_warmup"] == 0
+    assert m["mmzoo_requests_running"] == 0 and m["mmzoo_requests_waiting"] == 0
+    assert m["mmzoo_requests_finished_total"] >= 16
+
+
+BAD = {
+    "unknown model": (dict(model="gpt-9"), "model"),
+    "n > 1": (dict(n=2), "n"),
+    "too many images": (dict(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "IMG"}}] * 40 + [{"type": "text", "text": "all of them?"}]}]),
+        "max_model_len"),
+    "prompt too long": (dict(messages=[{"role": "user", "content": "word " * 400}]), "max_model_len"),
+    "image does not decode": (dict(messages=_chat("data:image/png;base64," + base64.b64encode(b"not a png").decode(),
+                                                  "x")), "image_url"),
+    "path outside media_dir": (dict(messages=_chat("/etc/hostname", "x")), "outside the allowed media directory"),
+    "wrong type": (dict(max_tokens="many"), "max_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_request_is_400_while_a_good_one_completes(xla_server, offline, image_files, case):
+    fields, needle = BAD[case]
+    body = {"model": "tiny", "messages": _chat(None, "hi"), "max_tokens": 4, **fields}
+    if case == "too many images":
+        body["messages"][0]["content"] = [
+            {"type": "image_url", "image_url": {"url": _data_url(image_files[0])}}] * 40 + [{"type": "text", "text": "?"}]
+    want = offline(None, "Good question.")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        good = pool.submit(xla_server.client.chat.completions.create, model="tiny",
+                           messages=_chat(None, "Good question."), **GREEDY)
+        with pytest.raises(openai.BadRequestError) as e:
+            xla_server.client.chat.completions.create(**{k: v for k, v in body.items()})
+        assert good.result(timeout=120).choices[0].model_extra["token_ids"] == want
+    assert e.value.status_code == 400
+    error = e.value.body
+    assert needle in (error.get("message", "") + str(error.get("param"))), error
+
+
+def test_disconnect_frees_the_slot_and_sigterm_finishes_in_flight(qwen2_vl_ckpt, media):
+    server = Server(qwen2_vl_ckpt, media, "executor=eager", "executor.max_batch=1", "executor.max_model_len=512")
+    try:
+        # a client that leaves after one chunk: its 400-token request stops at once
+        stream = server.client.chat.completions.create(model="tiny", messages=_chat(None, "Tell a story."), stream=True,
+                                                       temperature=0, max_tokens=400, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()
+        t0 = time.monotonic()
+        r = server.client.chat.completions.create(model="tiny", messages=_chat(None, "hi"), temperature=0, max_tokens=3)
+        assert r.choices[0].message is not None and time.monotonic() - t0 < 60
+        assert server.metrics()["mmzoo_generation_tokens_total"] < 300  # the story did not run on
+        # SIGTERM while a request is in flight: it completes whole, then the server exits 0
+        results = {}
+
+        def long_request():
+            results["r"] = server.client.chat.completions.create(
+                model="tiny", messages=_chat(None, "Count."), temperature=0, max_tokens=120,
+                extra_body={"ignore_eos": True})
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        deadline = time.monotonic() + 60
+        while server.metrics()["mmzoo_requests_running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        code, err = server.stop()
+        worker.join(timeout=60)
+        assert code == 0, err
+        assert results["r"].usage.completion_tokens == 120 and results["r"].choices[0].finish_reason == "length"
+        with pytest.raises(openai.APIConnectionError):  # not accepting any more
+            server.client.models.list()
+    finally:
+        server.stop()

@@ -118,3 +118,18 @@ def test_smoke_recipe_of_every_family(tmp_path, recipe, media):
     else:
         assert res["image_sweep"] == [] and res["config"]["sweep"]["image_sizes"]
         assert "TTFT vs image size: skipped" in p.stdout and any("skipped" in note for note in res["notes"])
+
+
+def test_serving_mode_over_http(tmp_path):
+    """mmzoo-serve: the workload as concurrent streaming openai clients of mmzoo.serve on the XLA
+    engine; every request completes with the engines' tokens and nothing compiles after warmup."""
+    p = _bench(tmp_path, "bench_qwen2_vl_smoke", "systems=[mmzoo-xla,mmzoo-serve,mmzoo-eager,transformers]",
+               "sweep.batch_sizes=[]", "sweep.image_sizes=[]", "serve.concurrency=3", "serve.request_rate=20")
+    assert "mmzoo-serve: HTTP clients, at most 3 in flight, 20 req/s Poisson" in p.stdout
+    res = json.loads((tmp_path / "bench.json").read_text())
+    n, new = res["config"]["workload"]["num_requests"], res["config"]["workload"]["max_new_tokens"]
+    m = res["systems"]["mmzoo-serve"]
+    assert all(k in m for k in METRICS)
+    assert m["completed"] == n and m["total_output_tokens"] == n * new
+    assert m["graphs_compiled_after_warmup"] == 0 and 0 < m["median_ttft_ms"]
+    assert res["agreement"]["mmzoo-eager"]["mmzoo-serve"] == n

@@ -26,6 +26,7 @@ from mmzoo.bench import report
 from mmzoo.bench.runner import (SYSTEMS, Run, Transformers, agreement, batch1_rounds, build_engine, copy_bandwidth,
                                 decode_breakdown, kv_cache_bytes, model_sizes, roofline, run_mmzoo, run_system,
                                 sweep_row)
+from mmzoo.bench.serving import run_server
 from mmzoo.bench.workload import (Family, PromptText, bench_checkpoint, family, image_request, make_workload,
                                   sampling_rate, say, text_requests)
 from mmzoo.cli import hydra_main
@@ -100,6 +101,8 @@ def check_config(cfg: DictConfig) -> None:
     if "transformers" in cfg.sweep.systems:
         raise MmzooError("sweep.systems: transformers runs the sweep's batch-1 point whenever it is in "
                          "`systems`; list only mmzoo systems here")
+    if "mmzoo-serve" in cfg.sweep.systems:
+        raise MmzooError("sweep.systems: the sweeps run engines directly; mmzoo-serve runs the main workload only")
     if not Path(cfg.output).resolve().parent.is_dir():
         raise MmzooError(f"output directory {Path(cfg.output).parent} does not exist")
 
@@ -144,6 +147,16 @@ def run_workload(b: Bench, reqs: list[dict]) -> MainRun:
             main.runs[system] = b.hf.run(reqs)
             continue
         kind = system.split("-", 1)[1]
+        if kind == "serve":  # the XLA engine behind the HTTP server: the main run's, or one of its own
+            engine = main.engines.get("mmzoo-xla")
+            if engine is None:
+                engine, main.warmup = xla_engine(b)
+            main.lm_info = main.lm_info or model_sizes(engine, b.cfg.dtype)
+            main.runs[system] = run_server(engine, reqs, b.family, concurrency=int(b.cfg.serve.concurrency),
+                                           request_rate=b.cfg.serve.request_rate, seed=int(b.cfg.workload.seed),
+                                           sampling_rate=sampling_rate(b.processor))
+            main.engines.setdefault("mmzoo-xla", engine)
+            continue
         if kind == "xla":
             engine, main.warmup = xla_engine(b)
         else:
@@ -153,7 +166,7 @@ def run_workload(b: Bench, reqs: list[dict]) -> MainRun:
         main.engines[system] = engine
     metrics = {s: r.metrics() for s, r in main.runs.items()}
     agree = agreement(main.runs)
-    report.print_serving(len(reqs), metrics, agree, main.warmup)
+    report.print_serving(len(reqs), metrics, agree, main.warmup, OmegaConf.to_container(b.cfg.serve))
     if "note" in main.warmup:
         b.result["notes"].append(main.warmup["note"])
     b.result.update(systems=metrics, warmup=main.warmup, agreement=agree, model=main.lm_info)

@@ -48,13 +48,20 @@ def print_table(title: str, metrics: dict[str, dict], extra: list[tuple[str, dic
     print("=" * width)
 
 
-def print_serving(n_requests: int, metrics: dict[str, dict], agree: dict, warmup: dict) -> None:
-    """The main workload's table, with the XLA warmup and the agreement of the outputs."""
-    extra = [("Warmup cold / warm (s)", {"mmzoo-xla": f"{warmup.get('cold_s', 0):.1f}/"
-                                                      f"{warmup.get('warm_s', float('nan')):.1f}"})] if warmup else []
+def print_serving(n_requests: int, metrics: dict[str, dict], agree: dict, warmup: dict, serve=None) -> None:
+    """The main workload's table, with the XLA warmup and the agreement of the outputs; ``serve``:
+    the mmzoo-serve clients' settings, when that system ran."""
+    xla = "mmzoo-xla" if "mmzoo-xla" in metrics else "mmzoo-serve"  # the system whose engine warmed up
+    extra = [("Warmup cold / warm (s)", {xla: f"{warmup.get('cold_s', 0):.1f}/"
+                                              f"{warmup.get('warm_s', float('nan')):.1f}"})] if warmup else []
     extra += [(f"Outputs identical to {ref} (requests)", {s: f"{n}/{n_requests}" for s, n in row.items()})
               for ref, row in agree.items()]
-    print_table(f"Serving benchmark: {n_requests} requests, all at t=0", metrics, extra)
+    how = "all at t=0"
+    if serve is not None and "mmzoo-serve" in metrics:
+        rate = serve.get("request_rate")
+        how = (f"engines: all at t=0; mmzoo-serve: HTTP clients, at most {serve['concurrency']} in flight, "
+               + ("all sent at t=0" if not rate else f"{float(rate):g} req/s Poisson"))
+    print_table(f"Serving benchmark: {n_requests} requests, {how}", metrics, extra)
     if warmup:
         print(f"XLA warmup: cold {warmup['cold_s']:.1f} s ({warmup['cold_graphs']} graphs compiled)"
               + (f", warm {warmup['warm_s']:.1f} s ({warmup['warm_graphs']} graphs compiled)" if "warm_s" in warmup

@@ -1,7 +1,8 @@
 """Running one system on a list of requests, and the measurements around the runs.
 
 A system is an mmzoo engine (``mmzoo-xla``, ``mmzoo-eager``: every request at once, continuous
-batching) or transformers' ``generate()`` (``transformers``: one request at a time, greedy, EOS
+batching), the XLA engine behind ``mmzoo.serve`` with concurrent HTTP clients (``mmzoo-serve``,
+:mod:`mmzoo.bench.serving`) or transformers' ``generate()`` (``transformers``: one request at a time, greedy, EOS
 off), on the family's own transformers class and processor. Each run is a :class:`Run`, the
 per-request times from which :meth:`Run.metrics` derives vLLM's serving figures. Around the runs:
 the host's copy and read bandwidth, the bytes of weights a decode step reads (the roofline), the
@@ -21,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from mmzoo.bench.workload import Family, say
 from mmzoo.errors import MmzooError
 
-SYSTEMS = ("mmzoo-xla", "mmzoo-eager", "transformers")
+SYSTEMS = ("mmzoo-xla", "mmzoo-eager", "mmzoo-serve", "transformers")
 
 
 # ---------------------------------------------------------------- one system's run

@@ -166,9 +166,11 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                     raise BadRequest(param + msg[len(item):], param) from None
             raise
 
-    async def generate(prepared, stops: list[str], http: HTTPRequest):
-        """Yield ``(text delta, None)`` per token, then ``("", (finish_reason, prompt_tokens,
-        generated token ids))``; a client that goes away cancels the sequence."""
+    async def generate(prepared, stops: list[str]):
+        """Yield ``(text delta, token id)`` per token (the delta may be empty: text held back, or a
+        token past a stop string's end is never yielded), then ``("", None, (finish_reason,
+        prompt_tokens, generated token ids))`` as the last item; a client that goes away cancels
+        the sequence."""
         stream = loop_.submit(prepared, asyncio.get_running_loop())
         text = TextStream(engine.decode, stops)
         finished = False
@@ -182,17 +184,16 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                 delta = text.push(item)
                 if text.stopped:
                     loop_.cancel(stream, "stop")
-                if delta:
-                    yield delta, None
+                yield delta, item, None
             result = stream.result
             if result.error and not result.token_ids:
                 raise MmzooError(result.error)
             tail = text.flush()
             if tail:
-                yield tail, None
+                yield tail, None, None
             reason = "stop" if text.stopped else finish_reason(result.finish_reason)
             finished = True
-            yield "", (reason, len(prepared.input_ids), list(text.tokens))
+            yield "", None, (reason, len(prepared.input_ids), list(text.tokens))
         finally:
             if not finished:  # the client went away (or the handler failed): free the slot now
                 loop_.cancel(stream)
@@ -209,7 +210,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         if body.stream:
             return StreamingResponse(sse(kind, body, prepared, stops, rid, created, http),
                                      media_type="text/event-stream")
-        collect = asyncio.ensure_future(_collect(generate(prepared, stops, http)))
+        collect = asyncio.ensure_future(_collect(generate(prepared, stops)))
         gone = asyncio.ensure_future(until_disconnected(http))
         done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         if collect not in done:  # the client left: cancelling the collector cancels the sequence
@@ -231,19 +232,23 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         def event(obj) -> str:
             return f"data: {obj.model_dump_json()}\n\n"
 
-        def chunk(delta: str | None, reason: str | None, first: bool = False):
+        def chunk(delta: str | None, reason: str | None, first: bool = False, ids: list[int] | None = None):
             if kind == "chat":
                 return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[ChunkChoice(
-                    delta=Delta(role="assistant" if first else None, content=delta), finish_reason=reason)])
+                    delta=Delta(role="assistant" if first else None, content=delta), finish_reason=reason,
+                    token_ids=ids)])
             return Completion(id=rid, created=created, model=body.model,
-                              choices=[CompletionChoice(text=delta or "", finish_reason=reason)])
+                              choices=[CompletionChoice(text=delta or "", finish_reason=reason, token_ids=ids)])
 
         try:
             if kind == "chat":
                 yield event(chunk("", None, first=True))
-            async for delta, end in generate(prepared, stops, http):
+            async for delta, token, end in generate(prepared, stops):
                 if end is None:
-                    yield event(chunk(delta, None))
+                    if body.return_token_ids and token is not None:  # a chunk per token, with its id
+                        yield event(chunk(delta, None, ids=[token]))
+                    elif delta:
+                        yield event(chunk(delta, None))
                     continue
                 reason, n_prompt, tokens = end
                 n_out = len(tokens)
@@ -312,7 +317,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
 
 async def _collect(gen) -> tuple[str, tuple]:
     parts, end = [], None
-    async for delta, fin in gen:
+    async for delta, _, fin in gen:
         parts.append(delta)
         if fin is not None:
             end = fin

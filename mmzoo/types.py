@@ -26,6 +26,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _Int = Annotated[int, Strict()]
 _NonNeg = Annotated[int, Strict(), Field(ge=0)]
 MAX_NEW_TOKENS = 1 << 20  # a schema bound; the engine also refuses more than its max_model_len
+MAX_TOP_K = 1 << 31  # past any vocabulary (the step holds top_k as int64)
+MAX_TEMPERATURE = 1e4  # past it float32 logits / temperature underflow to a uniform draw
 
 
 @pydantic_dataclass(config=ConfigDict(arbitrary_types_allowed=True, validate_assignment=True))
@@ -47,8 +49,8 @@ class Request:
     audios: list[Any] = field(default_factory=list)  # paths, or 1-D float arrays at the feature extractor's rate
     max_new_tokens: Annotated[int, Strict(), Field(gt=0, le=MAX_NEW_TOKENS)] = 32
     ignore_eos: Annotated[bool, Strict()] = False
-    temperature: Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)] = 0.0  # 0: greedy
-    top_k: _NonNeg = 0  # 0: no top-k cut
+    temperature: Annotated[float, Strict(), Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] = 0.0  # 0: greedy
+    top_k: Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_K)] = 0  # 0: no top-k cut
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0  # 1: no nucleus cut
     seed: _NonNeg | None = None  # per-request sampling seed
     stop_token_ids: list[_NonNeg] = field(default_factory=list)  # stop (inclusive) at any of these, besides EOS
@@ -71,6 +73,12 @@ class Request:
             raise ValueError(f"must be a list of {info.field_name}, got one string; write [{value!r}]")
         return value
 
+    @field_validator("prompt")
+    @classmethod
+    def _unicode(cls, value: str) -> str:
+        _check_text(value)
+        return value
+
     @classmethod
     def parse(cls, values: Mapping[str, Any], *, where: str = "request") -> "Request":
         """A Request from a mapping, or :class:`MmzooError` naming ``where``, each bad field and its value."""
@@ -87,6 +95,14 @@ class Request:
 
 
 REQUEST_FIELDS = tuple(f.name for f in fields(Request))
+
+
+def _check_text(text: str) -> None:
+    """Refuse text the tokenizer cannot take: a lone surrogate (JSON's "\\ud800") is not Unicode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"holds {text[e.start:e.end]!r} at {e.start}, which is not valid Unicode text") from None
 
 
 def describe_validation_error(e: ValidationError) -> str:

@@ -43,18 +43,22 @@ def as_embeds(value: Any, field: str, *, hidden: int) -> torch.Tensor:
 
 
 def as_grid(value: Any, field: str) -> np.ndarray:
-    """``[num_items, 3]`` positive integers."""
+    """``[num_items, 3]`` positive integers (at most :data:`MAX_GRID` each)."""
     try:
         g = np.asarray(value.cpu() if isinstance(value, torch.Tensor) else value)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise MmzooError(f"{field} is not an integer array ({e})") from None
     if g.ndim == 1 and g.shape == (3,):
         g = g[None]
     if g.ndim != 2 or g.shape[1] != 3:
         raise MmzooError(f"{field} must be [num_items, 3] (t, h, w), got shape {list(g.shape)}")
-    if g.size and (g.dtype.kind not in "iu" and not np.all(np.equal(np.mod(g, 1), 0))):
+    if g.size and g.dtype.kind not in "iuf" or g.dtype == object:
+        raise MmzooError(f"{field} must hold integers, got {g.dtype} ({g.ravel()[0]!r})")
+    if g.size and g.dtype.kind == "f" and not (np.all(np.isfinite(g)) and np.all(np.equal(np.mod(g, 1), 0))):
         raise MmzooError(f"{field} must hold integers, got {g.dtype}")
-    g = g.astype(np.int64)
-    if g.size and g.min() <= 0:
-        raise MmzooError(f"{field} entries must be positive, got {g.tolist()}")
-    return g
+    if g.size and (g.min() <= 0 or g.max() > MAX_GRID):
+        raise MmzooError(f"{field} entries must be in [1, {MAX_GRID}], got {g.tolist()}"[:300])
+    return g.astype(np.int64)
+
+
+MAX_GRID = 1 << 16  # patches along one axis: far past any image (and the int64 products stay exact)

@@ -90,6 +90,11 @@ def _check_messages(messages: list[dict], items: dict[str, int]) -> list[tuple[s
                 seen[kind] += 1
             else:
                 raise MmzooError(f"{where}.content[{j}] must be a text part or one of {MEDIA_PARTS}, got {part!r}"[:300])
+    for where, text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise MmzooError(f"{where} holds {text[e.start:e.end]!r} at {e.start}, which is not valid Unicode text") from None
     for kind in MEDIA_PARTS:
         if seen[kind] != items.get(kind, 0):
             raise MmzooError(f"messages hold {seen[kind]} {kind} parts but {items.get(kind, 0)} {kind}s are given")

@@ -123,6 +123,7 @@ class Engine:
             if not items:
                 continue
             prepared = self.prepare(Request(**{f"{kind}s": list(items)}))
+            self.executor.warm_for([prepared], self._dummy_media(), generate=False)
             rows = torch.cat([self.executor.encode_media(item) for item in prepared.media])  # item order = row order
             used = prepared.mm_index[prepared.mm_index >= 0]  # the tower rows the prompt reads, in order
             if not np.array_equal(used, np.arange(rows.shape[0])):
@@ -182,11 +183,16 @@ class Engine:
                     failed[i] = req if isinstance(req, Result) else Result(id=req.id, prompt=req.prompt, error=str(e))
                     if on_result:
                         on_result(failed[i])
+            self.executor.warm_for(prepared, self._dummy_media())
             ran = iter(self.executor.generate(prepared, decode_text=self.decode, on_result=on_result, stop=stop))
             results = [failed[i] if i in failed else next(ran) for i in range(len(reqs))]
         if single and results[0].error:
             raise MmzooError(results[0].error)
         return results[0] if single else results
+
+    def _dummy_media(self):
+        """Zero tower inputs of a given row count (for compiling a tower), or None without towers."""
+        return (lambda tower, rows: self.family.dummy_media(rows)) if self.model.towers else None
 
     @staticmethod
     def _request(item: Any, fields: dict, *, default_id: int) -> Request:
@@ -406,11 +412,13 @@ def load(checkpoint: str | Path | None = None, *, model: str | None = None, exec
             :class:`~mmzoo.executor.MeshSpec`; None or ``"single"``: one device, no SPMD.
         config_dir: a directory (or list) of the user's own configs, searched with mmzoo's.
         overrides: more Hydra overrides (``"model.lm.num_layers=2"``, ``"weights=random"``).
-        executor_kwargs: overrides of the executor config (``max_model_len=``, ``max_batch=``, ...).
+        executor_kwargs: overrides of the executor config (``max_model_len=``, ``max_batch=``, ...);
+            ``warmup="needed"`` compiles, before each ``generate``, only the graphs its requests hit
+            (the default here is ``"all"``: every bucket at load, as a server).
     """
     from mmzoo.executor import MeshSpec
 
-    args = list(overrides)
+    args = ["warmup=all", *overrides]  # a loaded engine is ready for any request (warmup="needed": per call)
     if model is not None:
         args.append(f"model={model}")
     if isinstance(attention, str):

@@ -133,3 +133,31 @@ def test_serving_mode_over_http(tmp_path):
     assert m["completed"] == n and m["total_output_tokens"] == n * new
     assert m["graphs_compiled_after_warmup"] == 0 and 0 < m["median_ttft_ms"]
     assert res["agreement"]["mmzoo-eager"]["mmzoo-serve"] == n
+
+
+def test_peers_stage_compiled_transformers_beside_mmzoo(tmp_path):
+    """bench peers: transformers compiled (static cache + torch.compile), its eager generate and
+    mmzoo-xla, each with prefill, decode tok/s and the ratios to the compiled peer (no timing asserted)."""
+    p = _bench(tmp_path, "bench_qwen2_vl_smoke", "systems=[]", "peers.run=true", "peers.batch_sizes=[1]",
+               "peers.prompt_len=16", "peers.max_new_tokens=4", "peers.repeats=1", "peers.attention=[sdpa]")
+    assert "Peers (text-only" in p.stdout
+    rows = {r["system"]: r for r in json.loads((tmp_path / "bench.json").read_text())["peers"]}
+    assert set(rows) == {"transformers", "transformers-compiled", "mmzoo-xla (sdpa)"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["prefill_ms"] > 0 and r["decode_tok_s"] > 0
+    assert rows["transformers-compiled"]["decode_vs_compiled"] == 1.0
+    assert rows["mmzoo-xla (sdpa)"]["decode_vs_compiled"] > 0
+
+
+def test_first_answer_stage(tmp_path):
+    """bench first_answer: fresh infer processes on the embedded demo, timed to their first answer,
+    with what they compiled (warmup=needed: a few graphs) and whether they answered right."""
+    p = _bench(tmp_path, "bench_first_answer", "first_answer.systems=[mmzoo-xla-needed]", "first_answer.batch=2")
+    assert "Time to first answer" in p.stdout
+    rows = json.loads((tmp_path / "bench.json").read_text())["first_answer"]
+    assert [r["case"] for r in rows] == ["one-shot", "batch of 2"]
+    for r in rows:
+        assert "error" not in r, r
+        assert 0 < r["first_answer_s"] <= r["total_s"] and 0 < r["graphs_compiled"] < 20 and r["compile_s"] > 0
+        assert r["correct"] == r["requests"]

@@ -8,6 +8,11 @@
    system in turn, the copy bandwidth measured around each mmzoo-xla run; the decode-step profile.
 5. :func:`tp_sweep`: the tensor-parallel sweep, a process per point (:mod:`mmzoo.bench.mesh`).
 6. The roofline, the printed sweeps and targets, the JSON result (:mod:`mmzoo.bench.report`).
+
+Before them, with ``first_answer.run``: fresh processes on the embedded demo model, from their
+start to their first answer (:mod:`mmzoo.bench.first_answer`); with ``peers.run``: transformers
+compiled (static cache + ``torch.compile``) beside its eager generate and mmzoo per attention
+backend, at batch 1 and 8 (:mod:`mmzoo.bench.peers`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from mmzoo.bench import report
+from mmzoo.bench import first_answer, peers, report
 from mmzoo.bench.runner import (SYSTEMS, Run, Transformers, agreement, batch1_rounds, build_engine, copy_bandwidth,
                                 decode_breakdown, kv_cache_bytes, model_sizes, roofline, run_mmzoo, run_system,
                                 sweep_row)
@@ -69,7 +74,25 @@ class BatchSweep:
 def run(cfg: DictConfig) -> dict:
     """Run the benchmark described by ``cfg``; print the figures and write the JSON result."""
     check_config(cfg)
+    first = None
+    if cfg.first_answer.run:  # fresh processes, before this one loads anything
+        first = first_answer.run(cfg)
+        first_answer.print_rows(first)
+        if not cfg.systems:
+            result = {"config": OmegaConf.to_container(cfg, resolve=True), "first_answer": first,
+                      "environment": {"load_average_at_start": os.getloadavg()[0]}}
+            report.write_result(cfg.output, result)
+            say(f"wrote {cfg.output}")
+            return result
     b = start(cfg)
+    if first is not None:
+        b.result["first_answer"] = first
+    if cfg.peers.run:  # the compiled transformers peer beside the eager one and mmzoo's backends
+        rows = peers.run(cfg, b.checkpoint, b.family.hf_class)
+        peers.print_rows(rows, int(cfg.peers.prompt_len), int(cfg.peers.max_new_tokens))
+        b.result["peers"] = rows
+    if not cfg.systems:
+        return finish(b)
     main = run_workload(b, make_workload(cfg.workload, b.text, b.family, sampling_rate=sampling_rate(b.processor)))
     images, image_note = image_sweep(b, main.engines)
     reuse = {s: main.engines.pop(s) for s in ("mmzoo-xla",) if s in main.engines}  # the batch sweep's, from here

@@ -57,6 +57,7 @@ class Executor:
         self.max_model_len, self.max_batch, self.progress = max_model_len, max_batch, progress
         self.encoder_buckets: dict[str, list[int]] = {}
         self.model = None
+        self.warm: set = set()  # the warmup Graphs compiled so far (mmzoo.executor.warmup)
 
     # -- what the executors differ in ------------------------------------------------------
     def device(self) -> torch.device:
@@ -108,6 +109,11 @@ class Executor:
 
     def warmup(self, dummy_media=None) -> float:
         """Compile every step ahead of time (the XLA executor); returns the seconds taken."""
+        return 0.0
+
+    def warm_for(self, prepared: list[Prepared], dummy_media=None, *, generate: bool = True) -> float:
+        """Compile the steps a run of ``prepared`` needs that are not compiled yet, when this
+        executor warms up per run (the XLA executor with ``warmup=needed``); returns the seconds."""
         return 0.0
 
     def run_step(self, key, fn: Callable[..., tuple], inputs: list[torch.Tensor], state: str) -> list[torch.Tensor]:

@@ -1,9 +1,11 @@
-"""Warmup: every step of every bucket compiled before the first request (vLLM's TPU runner's dummy run).
+"""Warmup: the steps compiled before the requests run (vLLM's TPU runner's dummy run).
 
-:func:`plan` enumerates the graphs from the executor's buckets (no requests involved): each tower
-at each input-row bucket, the precomputed-embeddings write at each row bucket, the prompt at each
-prefill bucket and the decode step at each KV-length bucket, the last two with a greedy and a
-sampling head. :func:`run` compiles them on all-padding typed inputs.
+Two plans. :func:`plan` enumerates every graph of the executor's buckets (``warmup=all``: a
+server, the benchmark, where requests come later): each tower at each input-row bucket, the
+precomputed-embeddings write at each row bucket, the prompt at each prefill bucket and the decode
+step at each KV-length bucket, the last two with a greedy and a sampling head. :func:`needed` takes
+prepared requests and returns only the graphs they can hit (``warmup=needed``: a one-shot CLI run
+or a requests file, known up front). :func:`run` compiles a plan on all-padding typed inputs.
 """
 
 from __future__ import annotations
@@ -41,6 +43,54 @@ def plan(executor, towers: list[str]) -> list[Graph]:
     return out
 
 
+def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
+    """The graphs a run of ``prepared`` can use, in :func:`plan`'s order: each media call's encode
+    (or embeddings) bucket; with ``generate``, each prompt's prefill bucket with its request's
+    head, and every decode KV bucket between the shortest prompt's first step and the longest
+    sequence's last, with the heads the requests sample with (a batch is greedy only when all its
+    rows are). A request whose shapes fit no bucket adds nothing: it fails alone when it runs."""
+    from mmzoo.buckets import round_up
+    from mmzoo.errors import MmzooError
+
+    out: set[Graph] = set()
+    lo, hi, heads = None, 0, set()
+    for p in prepared:
+        try:
+            graphs = set()
+            for item in p.media:
+                if item.embeds is not None:
+                    graphs.add(Graph("embeds", executor.encoder_rows("embeds", item.embeds.shape[0])))
+                else:
+                    rows = executor.encoder_rows(item.tower, round_up(item.rows, item.row_multiple))
+                    graphs.add(Graph("encode", rows, item.tower))
+            if generate:
+                n, req = len(p.input_ids), p.request
+                greedy = not req.temperature > 0
+                graphs.add(Graph("prefill", executor.prefill_len(n), greedy=greedy))
+                if req.max_new_tokens > 1 and n + 1 < executor.max_model_len:
+                    last = min(n + req.max_new_tokens, executor.max_model_len)
+                    lo = n + 1 if lo is None else min(lo, n + 1)
+                    hi = max(hi, last)
+                    heads.add(greedy)
+        except MmzooError:
+            continue
+        out |= graphs
+    if lo is not None:
+        buckets = executor.decode_kv_buckets
+        first, last = executor.decode_kv_len(lo), executor.decode_kv_len(hi)
+        for kv in (b for b in buckets if first <= b <= last):
+            out |= {Graph("decode", kv, greedy=g) for g in heads}
+        if False in heads:  # a sampling batch whose sampling rows all finished decodes greedily
+            out |= {Graph("decode", kv, greedy=True) for kv in buckets if first <= kv <= last}
+    order = {"encode": 0, "embeds": 1, "prefill": 2, "decode": 3}
+    return sorted(out, key=lambda g: (order[g.kind], g.tower or "", g.size, not g.greedy))
+
+
+def describe(graphs: list[Graph]) -> str:
+    """``encode vision 256, prefill 128/greedy, decode 128/greedy``: a plan in one line."""
+    return ", ".join(str(g) for g in graphs)
+
+
 def _sampling(rows: int, greedy: bool) -> Sampling:
     s = Sampling.greedy_rows(rows)
     if not greedy:
@@ -71,3 +121,4 @@ def run(executor, graphs: list[Graph], dummy_media: Callable[[str, int], TowerIn
         executor.step_done()
         if g.kind in ("prefill", "decode"):
             out.cpu()
+        executor.warm.add(g)

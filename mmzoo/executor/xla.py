@@ -52,7 +52,10 @@ class XLAExecutor(Executor):
             the cache; ``max_model_len`` is always one. Default: doubling from ``min_decode_kv``,
             or only ``max_model_len`` when every LM attention backend skips the keys past each
             sequence's length itself (Pallas).
-        warmup: compile every graph in :meth:`warmup` when the engine is loaded.
+        warmup: ``all`` (or true): compile every graph of every bucket when the engine is loaded
+            (a server: requests come later); ``needed``: before each run, compile only the graphs
+            its requests hit (:meth:`warm_for`: a one-shot run or a requests file, known up front);
+            ``none`` (or false): compile as shapes come, with no guard.
         on_recompile: ``error``, ``warn`` or ``ignore`` when a graph compiles after warmup.
         compile_cache_dir: persistent XLA compilation cache (None: off).
         progress: progress bars for warmup and generation.
@@ -76,7 +79,7 @@ class XLAExecutor(Executor):
                  min_prefill: int = 16, prefill_linear_after: int | None = None, prefill_linear_step: int | None = None,
                  encoder_buckets: dict[str, list[int]] | None = None, min_encoder_rows: int = 64,
                  max_encoder_rows: int = 16384, decode_kv_buckets: list[int] | None = None,
-                 min_decode_kv: int = 128, warmup: bool = True, on_recompile: str = "warn",
+                 min_decode_kv: int = 128, warmup: bool | str = "all", on_recompile: str = "warn",
                  compile_cache_dir: str | None = None, progress: bool = False, transpose_weights: bool | str = "auto",
                  fuse_projections: bool | str = "auto", transpose_keys: bool | str = "auto",
                  replay_steps: bool | str = "auto"):
@@ -109,7 +112,11 @@ class XLAExecutor(Executor):
         # for the step that consumed it, so they are let go only once that step is surely done
         self._retired: deque = deque(maxlen=2)
         self._replayed = False  # the last step was replayed: nothing is left to sync
-        self.do_warmup, self.on_recompile = warmup, on_recompile
+        mode = {True: "all", False: "none"}.get(warmup, warmup)
+        if mode not in ("all", "needed", "none"):
+            raise ValueError(f"warmup={warmup!r}: choose all, needed or none")
+        self.warmup_mode, self.on_recompile = mode, on_recompile
+        self.do_warmup = mode == "all"
         self.warmup_s: float | None = None
         self._after: int | None = None  # graphs this executor's steps compiled after warmup
         self._seen = 0  # the process-wide compile count when the current step began
@@ -301,6 +308,34 @@ class XLAExecutor(Executor):
         self.warmup_s = time.perf_counter() - t0
         self._seen, self._after = self.compiled_graphs(), 0
         return self.warmup_s
+
+    def warm_for(self, prepared, dummy_media=None, *, generate: bool = True) -> float:
+        """With ``warmup=needed``: compile the graphs ``prepared`` can hit that are not compiled
+        yet (:func:`mmzoo.executor.warmup.needed`), printing the plan, then arm the compile guard
+        (if the run uses any other graph, ``on_recompile`` says what happens)."""
+        if self.warmup_mode != "needed":
+            return 0.0
+        from mmzoo.executor import warmup
+
+        graphs = [g for g in warmup.needed(self, prepared, generate=generate) if g not in self.warm]
+        if dummy_media is None:
+            graphs = [g for g in graphs if g.kind != "encode"]
+        t0 = time.perf_counter()
+        if graphs:
+            print(f"mmzoo: compiling {len(graphs)} graph{'s' * (len(graphs) > 1)}: {warmup.describe(graphs)}",
+                  file=sys.stderr, flush=True)
+            after = self._after
+            self._after = None  # these compiles are the warmup's, not the run's
+            warmup.run(self, graphs, dummy_media, progress=self.progress)
+            self._after = after
+            print(f"mmzoo: compiled {len(graphs)} graph{'s' * (len(graphs) > 1)} in {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr, flush=True)
+        secs = time.perf_counter() - t0
+        self.warmup_s = (self.warmup_s or 0.0) + secs
+        self._seen = self.compiled_graphs()
+        if self._after is None:
+            self._after = 0
+        return secs
 
 
 def _auto_or_bool(name: str, value):

@@ -1,0 +1,158 @@
+"""A stronger peer: transformers with a static KV cache and ``torch.compile``, beside its eager
+``generate()`` and mmzoo's XLA executor with each attention backend, on the same checkpoint and
+the same text-only prompts.
+
+transformers documents the compiled route for fast generation: ``generate(...,
+cache_implementation="static")`` with the model's ``forward`` compiled by ``torch.compile``
+(inductor; on CPU, C++ kernels). It gets its own model instance (a compiled forward must not
+see a dynamic cache), is compiled in an untimed first call at each batch size, then timed.
+
+Every system runs each batch size ``repeats`` times after one untimed run; the figures are the
+medians: prefill (time to the first token of a batch), decode tok/s (batch / the median gap
+between tokens), and the ratios to the compiled peer. A peer that cannot run says why.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import traceback
+
+import numpy as np
+from omegaconf import DictConfig
+
+from mmzoo.bench.workload import say
+
+
+def _clock(t0_box: list):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):  # generate() calls put() once with the prompt, then once per new token
+        def __init__(self):
+            self.times, self.prompt_seen = [], False
+
+        def put(self, value):
+            if self.prompt_seen:
+                self.times.append(time.perf_counter() - t0_box[0])
+            self.prompt_seen = True
+
+        def end(self):
+            pass
+
+    return Clock()
+
+
+class HFPeer:
+    """transformers' ``generate()`` on the family's class, eager or compiled (static cache)."""
+
+    def __init__(self, checkpoint, hf_class: str, dtype: str, compiled: bool):
+        import torch
+        import transformers
+
+        self.model = getattr(transformers, hf_class).from_pretrained(
+            str(checkpoint), dtype=getattr(torch, dtype), local_files_only=True).eval()
+        self.model.generation_config.eos_token_id = None
+        self.compiled = compiled
+        if compiled:
+            self.model.forward = torch.compile(self.model.forward, dynamic=False)
+
+    def run(self, ids: np.ndarray, new: int) -> list[float]:
+        """One batch of prompts ``ids [b, s]``: the time of each new token after the call."""
+        import torch
+
+        x = torch.as_tensor(ids)
+        kw = {"cache_implementation": "static"} if self.compiled else {}
+        box = [0.0]
+        clock = _clock(box)
+        box[0] = time.perf_counter()
+        with torch.no_grad():
+            self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                                min_new_tokens=new, do_sample=False, streamer=clock, pad_token_id=0, **kw)
+        return clock.times
+
+
+class MmzooPeer:
+    """mmzoo's XLA executor with one attention backend, compiling the graphs these prompts need."""
+
+    def __init__(self, checkpoint, family: str, dtype: str, attention: str, max_batch: int, max_len: int, prefill: int):
+        import mmzoo
+
+        self.engine = mmzoo.load(checkpoint, model=family, executor="xla", attention=attention, dtype=dtype,
+                                 towers=False, max_batch=max_batch, max_model_len=max_len,
+                                 prefill_buckets=[prefill], warmup="needed", on_recompile="error", progress=False)
+
+    def run(self, ids: np.ndarray, new: int) -> list[float]:
+        results = self.engine.generate([{"prompt_token_ids": [int(t) for t in row], "max_new_tokens": new,
+                                         "ignore_eos": True} for row in ids])
+        errors = [r.error for r in results if r.error]
+        if errors:
+            raise RuntimeError(errors[0])
+        # the batch's clock: the k-th token of the batch comes when its last request's k-th does
+        return [max(r.token_times_s[k] for r in results) for k in range(new)]
+
+
+def run(cfg: DictConfig, checkpoint, hf_class: str) -> list[dict]:
+    """A row per (system, batch): prefill ms, decode tok/s, the ratios to the compiled peer."""
+    pc = cfg.peers
+    new, plen, repeats = int(pc.max_new_tokens), int(pc.prompt_len), int(pc.repeats)
+    rng = np.random.default_rng(int(cfg.workload.seed))
+    batches = [int(b) for b in pc.batch_sizes]
+    prompts = {b: rng.integers(3, 300, size=(b, plen)) for b in batches}
+    max_len = int(2 ** np.ceil(np.log2(plen + new + 1)))
+    makers = {"transformers": lambda: HFPeer(checkpoint, hf_class, cfg.dtype, compiled=False),
+              "transformers-compiled": lambda: HFPeer(checkpoint, hf_class, cfg.dtype, compiled=True)}
+    for attn in pc.attention:
+        makers[f"mmzoo-xla ({attn})"] = (lambda a=attn: MmzooPeer(checkpoint, str(cfg.family), cfg.dtype, a,
+                                                                  max(batches), max_len, plen))
+    rows = []
+    for system, make in makers.items():
+        say(f"peers: {system}")
+        try:
+            t0 = time.perf_counter()
+            peer = make()
+            setup_s = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - the peer cannot run this family: say so, with the error
+            rows += [{"system": system, "batch": b, "error": _short(e)} for b in batches]
+            continue
+        for b in batches:
+            try:
+                t0 = time.perf_counter()
+                peer.run(prompts[b], new)  # untimed: compiles (torch.compile / XLA) at this batch
+                first_s = time.perf_counter() - t0
+                runs = [peer.run(prompts[b], new) for _ in range(repeats)]
+            except Exception as e:  # noqa: BLE001
+                rows.append({"system": system, "batch": b, "error": _short(e)})
+                continue
+            prefill = statistics.median(r[0] for r in runs) * 1e3
+            itl = statistics.median(g for r in runs for g in np.diff(r)) * 1e3
+            rows.append({"system": system, "batch": b, "prefill_ms": prefill, "itl_ms": itl,
+                         "decode_tok_s": b / itl * 1e3, "first_call_s": first_s + (setup_s if b == batches[0] else 0)})
+        del peer
+    for r in rows:
+        ref = next((x for x in rows if x["system"] == "transformers-compiled" and x["batch"] == r["batch"]
+                    and "error" not in x), None)
+        if ref and "error" not in r:
+            r["decode_vs_compiled"] = r["decode_tok_s"] / ref["decode_tok_s"]
+            r["prefill_vs_compiled"] = ref["prefill_ms"] / r["prefill_ms"]
+    return rows
+
+
+def _short(e: Exception) -> str:
+    line = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    return line[:300] + (f" ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})" if frame else "")
+
+
+def print_rows(rows: list[dict], prompt_len: int, new: int) -> None:
+    if not rows:
+        return
+    print(f"Peers (text-only: {prompt_len}-token prompts, {new} new tokens; medians; ratios: the compiled peer = 1):")
+    print(f"  {'system':<24}{'batch':>6}{'prefill ms':>12}{'decode tok/s':>14}{'decode x':>10}{'prefill x':>11}"
+          f"{'first call s':>14}")
+    for r in rows:
+        if "error" in r:
+            print(f"  {r['system']:<24}{r['batch']:>6}  cannot run: {r['error']}")
+            continue
+        print(f"  {r['system']:<24}{r['batch']:>6}{r['prefill_ms']:>12.1f}{r['decode_tok_s']:>14.1f}"
+              f"{r.get('decode_vs_compiled', float('nan')):>10.2f}{r.get('prefill_vs_compiled', float('nan')):>11.2f}"
+              f"{r['first_call_s']:>14.1f}")

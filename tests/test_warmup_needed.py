@@ -1,0 +1,55 @@
+"""``warmup=needed`` (the CLI's default on XLA): only the graphs a run's requests hit are compiled,
+and the run then passes with the compile guard set to ``error``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import mmzoo
+from mmzoo.executor import warmup
+
+SMALL = dict(max_model_len=128, min_prefill=32, encoder_buckets={"vision": [64, 128]}, max_batch=2, progress=False)
+
+
+def test_needed_plan_is_a_subset_of_all_and_the_run_compiles_nothing_more(qwen2_vl_ckpt, image_files):
+    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", warmup="needed", on_recompile="error", **SMALL)
+    exe = engine.executor
+    assert not exe.warm and exe.graphs_since_warmup() is None  # nothing compiled at load
+    reqs = [{"prompt": "What is this?", "images": [image_files[0]], "max_new_tokens": 3},
+            {"prompt": "Say something.", "max_new_tokens": 4, "temperature": 0.8, "seed": 1}]
+    prepared = [engine.prepare(mmzoo.Request.parse(r)) for r in reqs]
+    plan = warmup.needed(exe, prepared)
+    full = warmup.plan(exe, list(engine.model.towers))
+    assert set(plan) <= set(full) and len(plan) < len(full)
+    kinds = {(g.kind, g.greedy) for g in plan}
+    assert ("prefill", True) in kinds and ("prefill", False) in kinds  # one greedy, one sampled prompt
+    assert ("decode", True) in kinds and ("decode", False) in kinds
+    results = engine.generate(reqs)  # compiles the plan, then runs with the guard on: error if anything else compiles
+    assert all(r.error is None for r in results)
+    assert exe.warm == set(plan) and exe.graphs_since_warmup() == 0
+    # a later call with a shape not seen yet compiles just that, before it runs
+    more = engine.generate({"prompt": "word " * 25, "max_new_tokens": 2})  # a longer prefill bucket
+    assert more.error is None and exe.graphs_since_warmup() == 0
+    assert len(exe.warm) > len(plan)
+    # the same tokens as an engine that compiled every bucket up front
+    full_engine = mmzoo.load(qwen2_vl_ckpt, executor="eager", max_model_len=128, max_batch=2, progress=False)
+    assert [r.token_ids for r in full_engine.generate(reqs)] == [r.token_ids for r in results]
+
+
+def test_cli_default_compiles_what_the_requests_need(qwen2_vl_ckpt, image_files, tmp_path):
+    reqs = tmp_path / "reqs.jsonl"
+    reqs.write_text("\n".join(json.dumps({"prompt": f"Q{i}", "images": [image_files[i % 3]], "max_new_tokens": 3})
+                              for i in range(4)) + "\n")
+    p = subprocess.run([sys.executable, "-m", "mmzoo.infer", f"checkpoint={qwen2_vl_ckpt}", f"requests={reqs}",
+                        f"output={tmp_path / 'out.jsonl'}", "executor.on_recompile=error", "executor.max_model_len=256",
+                        "executor.progress=false"], cwd=tmp_path, env={**os.environ, "PJRT_DEVICE": "CPU"},
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    plan = [line for line in p.stderr.splitlines() if line.startswith("mmzoo: compiling")]
+    assert len(plan) == 1 and "prefill" in plan[0] and "decode" in plan[0] and "encode vision" in plan[0]
+    assert "warmup compiled" not in p.stderr  # no every-bucket warmup
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all("error" not in r and r["graphs_compiled_after_warmup"] == 0 for r in rows)

@@ -241,6 +241,14 @@ class XLAExecutor(Executor):
         data = met.metric_data("CompileTime")
         return int(data[0]) if data else 0
 
+    @staticmethod
+    def compile_seconds() -> float:
+        """Seconds XLA's compiler has spent in this process so far (torch_xla's CompileTime metric)."""
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")
+        return float(data[1]) / 1e9 if data else 0.0
+
     def graphs_since_warmup(self) -> int | None:
         """Graphs this executor's own steps compiled after its warmup (None before it). torch_xla's
         counter is process-wide, so compiles between this executor's steps (another engine's
@@ -326,9 +334,13 @@ class XLAExecutor(Executor):
                   file=sys.stderr, flush=True)
             after = self._after
             self._after = None  # these compiles are the warmup's, not the run's
+            xla_s = self.compile_seconds()
             warmup.run(self, graphs, dummy_media, progress=self.progress)
+            xla_s = self.compile_seconds() - xla_s
             self._after = after
-            print(f"mmzoo: compiled {len(graphs)} graph{'s' * (len(graphs) > 1)} in {time.perf_counter() - t0:.1f} s",
+            total = time.perf_counter() - t0
+            print(f"mmzoo: compiled {len(graphs)} graph{'s' * (len(graphs) > 1)} in {total:.1f} s (XLA's compiler "
+                  f"{xla_s:.1f} s; tracing, lowering and the first runs {total - xla_s:.1f} s)",
                   file=sys.stderr, flush=True)
         secs = time.perf_counter() - t0
         self.warmup_s = (self.warmup_s or 0.0) + secs

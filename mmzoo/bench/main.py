@@ -78,7 +78,7 @@ def run(cfg: DictConfig) -> dict:
     if cfg.first_answer.run:  # fresh processes, before this one loads anything
         first = first_answer.run(cfg)
         first_answer.print_rows(first)
-        if not cfg.systems:
+        if not _more_stages(cfg):
             result = {"config": OmegaConf.to_container(cfg, resolve=True), "first_answer": first,
                       "environment": {"load_average_at_start": os.getloadavg()[0]}}
             report.write_result(cfg.output, result)
@@ -91,7 +91,7 @@ def run(cfg: DictConfig) -> dict:
         rows = peers.run(cfg, b.checkpoint, b.family.hf_class)
         peers.print_rows(rows, int(cfg.peers.prompt_len), int(cfg.peers.max_new_tokens))
         b.result["peers"] = rows
-    if not cfg.systems:
+    if not _more_stages(cfg):
         return finish(b)
     main = run_workload(b, make_workload(cfg.workload, b.text, b.family, sampling_rate=sampling_rate(b.processor)))
     images, image_note = image_sweep(b, main.engines)
@@ -112,6 +112,11 @@ def run(cfg: DictConfig) -> dict:
     b.result["targets"] = report.targets(cfg.targets, roof, batches.rows, b.result["systems"])
     report.print_targets(b.result["targets"])
     return finish(b)
+
+
+def _more_stages(cfg: DictConfig) -> bool:
+    """Whether the workload or a sweep is asked for (a first-answer or peers run may be all there is)."""
+    return bool(cfg.systems or cfg.sweep.batch_sizes or cfg.sweep.image_sizes or cfg.sweep.tp)
 
 
 def check_config(cfg: DictConfig) -> None:

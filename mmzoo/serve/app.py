@@ -301,6 +301,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         for name, kind, help_, value in (
                 ("mmzoo_requests_running", "gauge", "Requests holding a KV-cache slot.", s.running),
                 ("mmzoo_requests_waiting", "gauge", "Requests queued for a slot.", s.waiting),
+                ("mmzoo_requests_running_max", "gauge", "The most requests decoded together so far.", s.running_max),
                 ("mmzoo_requests_finished_total", "counter", "Requests finished, failed or cancelled.",
                  s.requests_finished),
                 ("mmzoo_prompt_tokens_total", "counter", "Prompt tokens admitted.", s.prompt_tokens),

@@ -41,6 +41,7 @@ class Stats:
     """What ``/metrics`` reports, kept by the loop thread."""
 
     running: int = 0
+    running_max: int = 0  # the most sequences decoded together so far
     waiting: int = 0
     requests_finished: int = 0
     prompt_tokens: int = 0
@@ -122,6 +123,7 @@ class EngineLoop:
                     if gen.busy:
                         gen.step()
                     self.stats.running = len(gen.sched.running)
+                    self.stats.running_max = max(self.stats.running_max, self.stats.running)
                     self.stats.waiting = len(gen.sched.waiting) + self._inbox.qsize()
                 gen.settle()
         except BaseException as e:  # noqa: BLE001 - reported by /health; every open stream is ended

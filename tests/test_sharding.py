@@ -37,8 +37,10 @@ QWEN2_VL_XLA = {"max_model_len": 128, "max_batch": 2, "prefill_buckets": [64], "
                 "min_encoder_rows": 64, "max_encoder_rows": 64}
 LLAVA_XLA = dict(QWEN2_VL_XLA, encoder_buckets={"vision": [1]})
 AUDIO_XLA = dict(QWEN2_VL_XLA, max_model_len=160, prefill_buckets=[128], encoder_buckets={"audio": [2]})
-# (name, family, mesh, attention): every backend at tp=2, then the other meshes, then the other families
+# (name, family, mesh, attention[, executor options]): every backend at tp=2, then the other meshes, then
+# the other families; one with fused q/k/v and gate/up projections (split column-wise like their parts)
 CASES = [("qwen2_vl-tp2-sdpa", "qwen2_vl", {"model": 2}, "sdpa"),
+         ("qwen2_vl-tp2-sdpa-fused", "qwen2_vl", {"model": 2}, "sdpa", {"fuse_projections": True}),
          ("qwen2_vl-tp2-eager", "qwen2_vl", {"model": 2}, "eager"),
          ("qwen2_vl-tp2-pallas", "qwen2_vl", {"model": 2}, "pallas"),
          ("qwen2_vl-tp4-pallas", "qwen2_vl", {"model": 4}, "pallas"),  # 2 kv heads < 4: replicated
@@ -82,8 +84,8 @@ def spmd(ckpts, media, tmp_path_factory):
     root = tmp_path_factory.mktemp("spmd_run")
     executor = {"qwen2_vl": QWEN2_VL_XLA, "llava": LLAVA_XLA, "qwen2_audio": AUDIO_XLA}
     cases = [{"name": name, "checkpoint": str(ckpts[family]), "mesh": mesh, "attention": attention,
-              "executor": executor[family], "requests": requests_for(family, media)}
-             for name, family, mesh, attention in CASES]
+              "executor": {**executor[family], **(extra[0] if extra else {})}, "requests": requests_for(family, media)}
+             for name, family, mesh, attention, *extra in CASES]
     (root / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
     worker = Path(__file__).with_name("_spmd_worker.py")
@@ -152,6 +154,17 @@ def test_weight_shardings_at_tp4(spmd):
         assert tiles(specs[name], len(tile)) == tile, (name, specs[name])
     assert all(name in specs for name in want) and len(specs) > len(want)
     assert rec["cache_spec"] == "{replicated}"  # [slots, kv heads, len, d]: kv heads replicated, data=1
+
+
+def test_fused_projections_split_column_wise(spmd):
+    """Fusion (q/k/v and gate/up stacked into one linear, on the executor's copy) composes with a
+    mesh: the fused weights are split like their parts, and the tokens equal the reference's
+    (test_sharded_tokens_equal_single_device runs this case too)."""
+    specs = _case(spmd, "qwen2_vl-tp2-sdpa-fused")["specs"]
+    fused = [n for n in specs if n.startswith("lm.") and ("qkv_proj.weight" in n or "gate_up_proj.weight" in n)]
+    assert fused and not any(n.endswith("q_proj.weight") and "qkv" not in n for n in specs if n.startswith("lm."))
+    for name in fused:
+        assert tiles(specs[name], 2) == (2, 1), (name, specs[name])
 
 
 def test_kv_cache_sharding(spmd):

@@ -251,6 +251,15 @@ def _model_node(name: str, config_dir) -> DictConfig:
     return _compose("infer", [f"model={name}"], config_dir).model
 
 
+def family_class(name: str, *, config_dir=None) -> type:
+    """The :class:`~mmzoo.models.Family` subclass of ``conf/model/<name>.yaml`` (its ``family._target_``)."""
+    from hydra.utils import get_class
+
+    if name not in options("model", config_dir=config_dir):
+        raise MmzooError(f"model={name} is not in the zoo; it has {options('model', config_dir=config_dir)}")
+    return get_class(_model_node(name, config_dir).family._target_)
+
+
 def _with_values(cfg: DictConfig, values: dict | None) -> DictConfig:
     if values:
         with open_dict(cfg):

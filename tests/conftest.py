@@ -9,30 +9,33 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")  # before anything imports torch_xla
 
 import pytest  # noqa: E402
 
-from mmzoo.fixtures import (make_audio, make_image, make_tiny_llava, make_tiny_qwen2_audio,  # noqa: E402
-                            make_tiny_qwen2_vl, write_wav)
+from mmzoo.fixtures import make_audio, make_image, write_wav  # noqa: E402
 
 
-def tiny_checkpoint(name: str, make, doc: str, **kwargs):
-    """A session fixture ``name``: ``make(<tmp>/<dir>, seed=0, **kwargs)``, a tiny checkpoint built
-    once per run with an ``mmzoo.fixtures`` function; the directory is named after the fixture
-    without ``_ckpt``."""
+def tiny_checkpoint(name: str, family: str, doc: str, **kwargs):
+    """A session fixture ``name``: the tiny random checkpoint ``family`` declares
+    (``Family.tiny_checkpoint``, a function of mmzoo.fixtures), built once per run at
+    ``<tmp>/<name without _ckpt>`` with ``seed=0`` and ``kwargs``."""
 
     def build(tmp_path_factory):
+        import mmzoo.fixtures
+        from mmzoo.config import family_class
+
+        make = getattr(mmzoo.fixtures, family_class(family).tiny_checkpoint)
         return make(tmp_path_factory.mktemp("ckpt") / name.removesuffix("_ckpt"), seed=0, **kwargs)
 
     build.__doc__ = doc
     return pytest.fixture(scope="session", name=name)(build)
 
 
-qwen2_vl_ckpt = tiny_checkpoint("qwen2_vl_ckpt", make_tiny_qwen2_vl,
+qwen2_vl_ckpt = tiny_checkpoint("qwen2_vl_ckpt", "qwen2_vl",
                                 "A random tiny Qwen2VLForConditionalGeneration + tokenizer + processor.")
-llava_ckpt = tiny_checkpoint("llava_ckpt", make_tiny_llava,
+llava_ckpt = tiny_checkpoint("llava_ckpt", "llava",
                              "A random tiny LlavaForConditionalGeneration (CLIP ViT + MLP projector + Llama).")
-llava_qwen2_ckpt = tiny_checkpoint("llava_qwen2_ckpt", make_tiny_llava,
+llava_qwen2_ckpt = tiny_checkpoint("llava_qwen2_ckpt", "llava",
                                    "A tiny Llava whose text model is Qwen2 (LLaVA-Interleave / OneVision style).",
                                    text_model_type="qwen2")
-qwen2_audio_ckpt = tiny_checkpoint("qwen2_audio_ckpt", make_tiny_qwen2_audio, "A random tiny "
+qwen2_audio_ckpt = tiny_checkpoint("qwen2_audio_ckpt", "qwen2_audio", "A random tiny "
                                    "Qwen2AudioForConditionalGeneration (Whisper encoder + projector + Qwen2).")
 
 
@@ -66,6 +69,17 @@ def audio_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoints(qwen2_vl_ckpt, llava_ckpt, qwen2_audio_ckpt):
-    """One tiny checkpoint per conf/model family."""
-    return {"qwen2_vl": qwen2_vl_ckpt, "llava": llava_ckpt, "qwen2_audio": qwen2_audio_ckpt}
+def tiny_checkpoints(request, tmp_path_factory):
+    """One tiny checkpoint per conf/model family: its ``<name>_ckpt`` fixture above, or else the
+    one its family declares (``Family.tiny_checkpoint``), built here."""
+    import mmzoo.fixtures
+    from mmzoo.config import family_class, options
+
+    out = {}
+    for name in options("model"):
+        try:
+            out[name] = request.getfixturevalue(f"{name}_ckpt")
+        except pytest.FixtureLookupError:
+            make = getattr(mmzoo.fixtures, family_class(name).tiny_checkpoint)
+            out[name] = make(tmp_path_factory.mktemp("ckpt") / name, seed=0)
+    return out

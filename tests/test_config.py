@@ -138,3 +138,18 @@ def test_user_config_dir_joins_the_search_path(recipes):
     assert "vit_llama" in config.options("model", config_dir=recipes)
     with pytest.raises(MmzooError):
         mmzoo.compose(["model=vit_llama"])
+
+
+def test_every_family_declares_its_reference_and_tiny_checkpoint():
+    """The family contract's test declarations: a transformers class that exists and an
+    mmzoo.fixtures builder, from which the parity tests, the fixtures and the benchmark work."""
+    import transformers
+
+    import mmzoo.fixtures
+    from mmzoo.models import Family
+
+    for name in config.options("model"):
+        cls = config.family_class(name)
+        assert issubclass(cls, Family) and cls.modalities, name
+        assert hasattr(transformers, cls.hf_class), (name, cls.hf_class)
+        assert callable(getattr(mmzoo.fixtures, cls.tiny_checkpoint, None)), (name, cls.tiny_checkpoint)

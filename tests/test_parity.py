@@ -2,7 +2,8 @@
 ids equal the processor's, prefill logits are allclose (fp32, atol 1e-4) and 16 greedy tokens are
 identical (EOS off on both sides), on both executors and every attention backend in conf/attention/.
 
-Adding a family = one ``Case`` here (its tiny checkpoint fixture, its media, its transformers class).
+Adding a family = one ``Case`` here (its tiny checkpoint fixture, its media, the item counts); the
+transformers class is the family's own declaration (``Family.hf_class``).
 The item counts make the XLA tower pad (e.g. 3 images in a bucket of 4).
 """
 
@@ -20,24 +21,23 @@ from mmzoo import config
 
 @dataclass
 class Case:
-    checkpoint: str  # the conftest fixture that builds the tiny checkpoint
+    checkpoint: str  # the conftest fixture that builds the tiny checkpoint (from the family's tiny_checkpoint)
     files: str  # the conftest fixture with the media files
     kind: str  # "image" or "audio"
-    hf_class: str
     counts: dict[str, list[int]]  # executor -> item counts per request
     prompt: str | dict[int, str]
     xla: dict = field(default_factory=dict)  # XLA executor options (graphs compile on first use here)
 
 
 CASES = {
-    "qwen2_vl": Case("qwen2_vl_ckpt", "image_files", "image", "Qwen2VLForConditionalGeneration",
+    "qwen2_vl": Case("qwen2_vl_ckpt", "image_files", "image",
                      {"eager": [0, 1, 2], "xla": [0, 1, 2]},
                      {0: "Tell me a story.", 1: "What shape is this?", 2: "Compare the two pictures."},
                      {"max_encoder_rows": 256, "progress": False, "warmup": False}),
-    "llava": Case("llava_ckpt", "image_files", "image", "LlavaForConditionalGeneration",
+    "llava": Case("llava_ckpt", "image_files", "image",
                   {"eager": [0, 1, 3], "xla": [3]}, "What shape is this?",
                   {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2}),
-    "qwen2_audio": Case("qwen2_audio_ckpt", "audio_files", "audio", "Qwen2AudioForConditionalGeneration",
+    "qwen2_audio": Case("qwen2_audio_ckpt", "audio_files", "audio",
                         {"eager": [0, 1, 3], "xla": [3]}, "What do you hear?",
                         {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64,
                          "max_batch": 2}),
@@ -50,7 +50,8 @@ def _reference(request, family: str) -> dict:
     if family not in _REFS:
         ckpt, files = request.getfixturevalue(case.checkpoint), request.getfixturevalue(case.files)
         counts = sorted({n for c in case.counts.values() for n in c})
-        _REFS[family] = parity.reference(ckpt, case.hf_class, case.kind, files, counts, case.prompt)
+        hf_class = config.family_class(family).hf_class  # the family's declared reference
+        _REFS[family] = parity.reference(ckpt, hf_class, case.kind, files, counts, case.prompt)
     return _REFS[family]
 
 

@@ -17,7 +17,7 @@ mmzoo-xla run), optionally a tensor-parallel sweep, a decode roofline (weight by
 over that bandwidth), and the issue's targets as pass/fail lines, each from figures taken side by
 side. Figures only: this is not a test, and the targets are printed, not asserted.
 
-``model`` picks the family (qwen2_vl, llava, qwen2_audio: :data:`~mmzoo.bench.workload.FAMILIES`).
+``family`` picks the family (qwen2_vl, llava, qwen2_audio: any conf/model family declaring its tiny checkpoint).
 The modules: :mod:`~mmzoo.bench.workload` (checkpoint, prompts, requests),
 :mod:`~mmzoo.bench.runner` (one system's run, the measurements), :mod:`~mmzoo.bench.report`
 (tables, targets, JSON), :mod:`~mmzoo.bench.mesh` (the tensor-parallel sweep's processes) and
@@ -26,7 +26,7 @@ The modules: :mod:`~mmzoo.bench.workload` (checkpoint, prompts, requests),
 
 from mmzoo.bench.main import main, run
 from mmzoo.bench.runner import SYSTEMS, Run, Transformers, run_mmzoo
-from mmzoo.bench.workload import FAMILIES, bench_checkpoint, make_workload
+from mmzoo.bench.workload import bench_checkpoint, family, make_workload
 
-__all__ = ["run", "main", "SYSTEMS", "FAMILIES", "Run", "Transformers", "run_mmzoo", "bench_checkpoint",
+__all__ = ["run", "main", "SYSTEMS", "family", "Run", "Transformers", "run_mmzoo", "bench_checkpoint",
            "make_workload"]

@@ -1,8 +1,8 @@
 """What the benchmark runs on: the checkpoint, the prompts and the seeded request workload.
 
-The family-specific parts sit in one table, :data:`FAMILIES`: the fixture that builds a random
-checkpoint (``checkpoint.random`` holds its keyword arguments), the transformers class of the
-peer, and the media kind of the requests (images or audio clips), which also picks the
+The family-specific parts come from the family's own declarations (:func:`family`): the fixture
+that builds a random checkpoint (``checkpoint.random`` holds its keyword arguments), the
+transformers class of the peer, and the media kind of the requests (images or audio clips), which also picks the
 workload's media fields (``max_images`` / ``image_sizes`` or ``max_audios`` / ``audio_seconds``).
 Everything else (the prompt text, the request mix, the text-only sweep requests) is the same for
 every family, so that the same config measures each family the same way. The base of the
@@ -69,18 +69,21 @@ class Family:
         return {"audio": items or None, "sampling_rate": sampling_rate(processor)}
 
 
-FAMILIES = {
-    "qwen2_vl": Family("make_tiny_qwen2_vl", "Qwen2VLForConditionalGeneration", "image"),
-    "llava": Family("make_tiny_llava", "LlavaForConditionalGeneration", "image"),
-    "qwen2_audio": Family("make_tiny_qwen2_audio", "Qwen2AudioForConditionalGeneration", "audio"),
-}
-
-
 def family(name: str) -> Family:
-    """The :data:`FAMILIES` entry of ``family=name``."""
-    if name not in FAMILIES:
-        raise MmzooError(f"family={name}: the benchmark knows {sorted(FAMILIES)}")
-    return FAMILIES[name]
+    """What the benchmark needs of ``family=name``, from the family's own declarations
+    (:attr:`~mmzoo.models.Family.tiny_checkpoint`, :attr:`~mmzoo.models.Family.hf_class`, its first
+    modality): a family joins the benchmark by its conf file alone."""
+    from mmzoo.config import family_class
+
+    try:
+        cls = family_class(name)
+    except MmzooError as e:
+        raise MmzooError(f"family={name}: {e}") from None
+    media = next((m for m in cls.modalities if m in ("image", "audio")), None)
+    if not (cls.tiny_checkpoint and cls.hf_class and media):
+        raise MmzooError(f"family={name}: {cls.__name__} declares no tiny_checkpoint / hf_class / image or audio "
+                         f"modality, which the benchmark needs")
+    return Family(cls.tiny_checkpoint, cls.hf_class, media)
 
 
 def sampling_rate(processor) -> int:

@@ -11,7 +11,11 @@ checkpoint, and a ``family`` node) plus a :class:`Family` subclass holding only 
 * its checkpoint's tensor names (:meth:`Family.convert_weights`);
 * zero inputs for compiling the tower at a bucket (:meth:`Family.dummy_media`) and, where a
   tower's input rows are whole items, those buckets (:meth:`Family.encoder_buckets`);
-* its tensor-parallel plan (:attr:`Family.tp_plan`, parameter-name patterns).
+* its tensor-parallel plan (:attr:`Family.tp_plan`, parameter-name patterns);
+* its reference and its tiny test checkpoint (:attr:`Family.hf_class`, :attr:`Family.tiny_checkpoint`):
+  the transformers class its checkpoints load into, and the ``mmzoo.fixtures`` builder of a tiny
+  random one, from which the shared parity tests and the benchmark work (named, never imported
+  by the runtime).
 
 :meth:`Family.prepare` is the shared template every request goes through: refuse foreign inputs,
 prepare each modality (raw or precomputed), tokenize (chat template, or the caller's token ids)
@@ -93,6 +97,8 @@ class Family:
     tower: ClassVar[str] = "vision"
     modalities: ClassVar[tuple[str, ...]] = ()
     tp_plan: ClassVar[dict[str, str]] = TP_PLAN
+    hf_class: ClassVar[str] = ""  # e.g. "Qwen2VLForConditionalGeneration"
+    tiny_checkpoint: ClassVar[str] = ""  # e.g. "make_tiny_qwen2_vl" (a function of mmzoo.fixtures)
 
     def __init__(self, *, name: str):
         self.name = name

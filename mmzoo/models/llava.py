@@ -54,6 +54,8 @@ class Llava(Family):
 
     tower = "vision"
     modalities = ("image",)
+    hf_class = "LlavaForConditionalGeneration"
+    tiny_checkpoint = "make_tiny_llava"
 
     def __init__(self, *, name: str, image_token_id: int, image_size: int, patch_size: int, in_channels: int,
                  select_strategy: str, num_layers: int, feature_layer: int | list[int]):

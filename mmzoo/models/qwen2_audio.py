@@ -47,6 +47,8 @@ class Qwen2Audio(Family):
 
     tower = "audio"
     modalities = ("audio",)
+    hf_class = "Qwen2AudioForConditionalGeneration"
+    tiny_checkpoint = "make_tiny_qwen2_audio"
 
     def __init__(self, *, name: str, audio_token_id: int, num_mel_bins: int, max_positions: int, pool_stride: int):
         super().__init__(name=name)

@@ -39,6 +39,8 @@ class Qwen2VL(Family):
 
     tower = "vision"
     modalities = ("image", "video")
+    hf_class = "Qwen2VLForConditionalGeneration"
+    tiny_checkpoint = "make_tiny_qwen2_vl"
 
     def __init__(self, *, name: str, image_token_id: int, video_token_id: int, merge_size: int, in_channels: int,
                  temporal_patch_size: int, patch_size: int, mrope: bool = True):

@@ -281,6 +281,10 @@ def test_embeds_part_stop_strings_and_streamed_completions(eager_server, offline
         else:
             text, reason = r.choices[0].message.content, r.choices[0].finish_reason
         assert (text, reason) == (full[:k], "stop")
+    # no max_tokens: generate to the end of the context (vLLM's default), here with EOS off
+    r = eager_server.client.completions.create(model="tiny", prompt="Once", temperature=0,
+                                               extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 256 and r.choices[0].finish_reason == "length"
     # a streamed plain completion concatenates to the unstreamed one
     plain = eager_server.client.completions.create(model="tiny", prompt="Once upon", temperature=0, max_tokens=6)
     parts = [c.choices[0].text for c in eager_server.client.completions.create(

@@ -205,6 +205,8 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                 return
 
     async def respond(kind: str, body, prepared, http: HTTPRequest):
+        if body.max_completion_tokens is None and body.max_tokens is None:  # vLLM's default: the rest of the context
+            prepared.request.max_new_tokens = max(1, max_model_len - len(prepared.input_ids))
         rid, created = new_id("chatcmpl" if kind == "chat" else "cmpl"), now()
         stops = body.stops()
         if body.stream:

@@ -206,3 +206,27 @@ def test_cell_targets_label_the_cells_of_each_shape(mode):
             assert (kinds > 0).sum() >= len(scene.shapes) and ((kinds > 0) == (colors > 0)).all()
     with pytest.raises(ValueError, match="28-px cells"):
         shapes.cell_targets(shapes.Scene(60, 56, (255, 255, 255), ()), 28)
+
+
+def test_eval_recipe_reports_accuracy_per_category_and_aspect(tmp_path):
+    """recipes/eval_demo.py on 24 scenes off the training grid: sizes drawn in the range, every
+    figure reported, the wrong answers listed (no accuracy asserted: that is the recipe's output)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "eval.json"
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, str(root / "recipes" / "eval_demo.py"), "examples=24", f"output={out}"],
+                       cwd=tmp_path, env={**os.environ, "PJRT_DEVICE": "CPU"}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(out.read_text())
+    assert res["counts"]["all"][1] == 24 and res["side_range"] == [48, 168]
+    assert {k for k in res["accuracy"] if k.startswith("category")} <= {f"category {c}" for c in shapes.CATEGORIES}
+    assert sum(n for k, (_, n) in res["counts"].items() if k.startswith("aspect")) == 24
+    assert len(res["wrong"]) == 24 - res["counts"]["all"][0]
+    sized = shapes.make_examples(50, seed=9, side_range=(48, 168))
+    assert all(48 <= s <= 168 for ex in sized for s in ex.image.size)
+    assert len({ex.image.size for ex in sized}) > 20  # off the 4 x 4 grid of training sizes

@@ -85,12 +85,16 @@ class Example:
     scene: Scene
 
 
-def random_scene(rng: np.random.Generator, *, num_shapes: int | None = None) -> Scene:
+def random_scene(rng: np.random.Generator, *, num_shapes: int | None = None,
+                 side_range: tuple[int, int] | None = None) -> Scene:
     """Draws a scene: size, background, then shapes placed one by one without overlap.
 
     Args:
         rng: the generator every choice is drawn from.
         num_shapes: 1, 2 or 3; None draws it uniformly.
+        side_range: draw the width and the height uniformly from ``[lo, hi]`` pixels (any integer:
+            sizes off the training grid, other aspect ratios); None: from :data:`SIZES`, as the
+            embedded model was trained.
 
     Returns:
         A :class:`Scene`. When the shapes do not fit (small image, large shapes), the whole scene
@@ -100,7 +104,10 @@ def random_scene(rng: np.random.Generator, *, num_shapes: int | None = None) -> 
         raise ValueError(f"num_shapes={num_shapes}: scenes hold 1 to {len(COUNT_WORDS)} shapes")
     n = int(rng.integers(1, len(COUNT_WORDS) + 1)) if num_shapes is None else num_shapes
     while True:
-        width, height = (int(v) for v in rng.choice(SIZES, size=2))
+        if side_range is None:
+            width, height = (int(v) for v in rng.choice(SIZES, size=2))
+        else:
+            width, height = (int(v) for v in rng.integers(side_range[0], side_range[1] + 1, size=2))
         level = int(rng.integers(222, 256))
         background = tuple(int(np.clip(level + rng.integers(-8, 9), 0, 255)) for _ in range(3))
         shapes: list[Shape] = []
@@ -221,13 +228,15 @@ def questions(scene: Scene) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-def iter_questions(seed: int, *, category: str | None = None) -> Iterator[tuple[Scene, str, str, str]]:
+def iter_questions(seed: int, *, category: str | None = None,
+                   side_range: tuple[int, int] | None = None) -> Iterator[tuple[Scene, str, str, str]]:
     """An endless stream of ``(scene, category, question, answer)``, deterministic from ``seed``.
 
     Args:
         seed: seeds the ``numpy.random.Generator`` that draws scenes, categories and questions.
         category: ask only this category (scenes without such a question are skipped); None draws
             the category uniformly among those the scene can answer.
+        side_range: the scenes' sizes (:func:`random_scene`).
 
     Yields:
         One question about each fresh scene (not rendered: :func:`iter_examples` renders).
@@ -236,7 +245,7 @@ def iter_questions(seed: int, *, category: str | None = None) -> Iterator[tuple[
         raise ValueError(f"category={category!r}; known: {CATEGORIES}")
     rng = np.random.default_rng(seed)
     while True:
-        scene = random_scene(rng)
+        scene = random_scene(rng, side_range=side_range)
         qs = questions(scene)
         if category is None:
             cat = [c for c in CATEGORIES if qs[c]][int(rng.integers(sum(1 for c in CATEGORIES if qs[c])))]
@@ -259,9 +268,10 @@ def iter_conversations(seed: int) -> Iterator[tuple[Scene, list[tuple[str, str]]
         yield scene, [qas[i] for i in rng.permutation(len(qas))]
 
 
-def iter_examples(seed: int, *, category: str | None = None) -> Iterator[Example]:
+def iter_examples(seed: int, *, category: str | None = None,
+                  side_range: tuple[int, int] | None = None) -> Iterator[Example]:
     """:func:`iter_questions` with the images rendered: an endless stream of :class:`Example`."""
-    for scene, cat, question, answer in iter_questions(seed, category=category):
+    for scene, cat, question, answer in iter_questions(seed, category=category, side_range=side_range):
         yield Example(render(scene), question, answer, cat, scene)
 
 
@@ -275,6 +285,7 @@ def tokenizer_corpus() -> list[str]:
     return lines * 2 + answers * 4
 
 
-def make_examples(n: int, seed: int, *, category: str | None = None) -> list[Example]:
-    """The first ``n`` examples of :func:`iter_examples` ``(seed, category=category)``."""
-    return list(itertools.islice(iter_examples(seed, category=category), n))
+def make_examples(n: int, seed: int, *, category: str | None = None,
+                  side_range: tuple[int, int] | None = None) -> list[Example]:
+    """The first ``n`` examples of :func:`iter_examples` ``(seed, category=category, side_range=...)``."""
+    return list(itertools.islice(iter_examples(seed, category=category, side_range=side_range), n))

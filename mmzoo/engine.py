@@ -173,16 +173,17 @@ class Engine:
         with self._lock:
             prepared, failed = [], {}
             for i, req in enumerate(reqs):
-                try:
-                    if isinstance(req, Result):
-                        raise MmzooError(req.error)
-                    prepared.append(self.prepare(req))
-                except MmzooError as e:
-                    if single:
-                        raise
-                    failed[i] = req if isinstance(req, Result) else Result(id=req.id, prompt=req.prompt, error=str(e))
-                    if on_result:
-                        on_result(failed[i])
+                if isinstance(req, Result):  # refused by the schema above
+                    failed[i] = req
+                else:
+                    try:
+                        prepared.append(self.prepare(req))
+                    except MmzooError as e:
+                        if single:
+                            raise
+                        failed[i] = Result(id=req.id, prompt=req.prompt, error=str(e))
+                if i in failed and on_result:
+                    on_result(failed[i])
             self.executor.warm_for(prepared, self._dummy_media())
             ran = iter(self.executor.generate(prepared, decode_text=self.decode, on_result=on_result, stop=stop))
             results = [failed[i] if i in failed else next(ran) for i in range(len(reqs))]

@@ -78,10 +78,9 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     if lo is not None:
         buckets = executor.decode_kv_buckets
         first, last = executor.decode_kv_len(lo), executor.decode_kv_len(hi)
+        # greedy always: a sampling batch whose sampling rows all finished decodes greedily
         for kv in (b for b in buckets if first <= b <= last):
-            out |= {Graph("decode", kv, greedy=g) for g in heads}
-        if False in heads:  # a sampling batch whose sampling rows all finished decodes greedily
-            out |= {Graph("decode", kv, greedy=True) for kv in buckets if first <= kv <= last}
+            out |= {Graph("decode", kv, greedy=g) for g in heads | {True}}
     order = {"encode": 0, "embeds": 1, "prefill": 2, "decode": 3}
     return sorted(out, key=lambda g: (order[g.kind], g.tower or "", g.size, not g.greedy))
 

@@ -234,20 +234,22 @@ class XLAExecutor(Executor):
 
     # -- compile accounting ----------------------------------------------------------------
     @staticmethod
-    def compiled_graphs() -> int:
+    def _compile_metric() -> tuple[int, float]:
+        """torch_xla's CompileTime metric: graphs compiled in this process so far, and seconds spent."""
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")
+        return (int(data[0]), float(data[1]) / 1e9) if data else (0, 0.0)
+
+    @classmethod
+    def compiled_graphs(cls) -> int:
         """Graphs XLA has compiled in this process so far."""
-        import torch_xla.debug.metrics as met
+        return cls._compile_metric()[0]
 
-        data = met.metric_data("CompileTime")
-        return int(data[0]) if data else 0
-
-    @staticmethod
-    def compile_seconds() -> float:
-        """Seconds XLA's compiler has spent in this process so far (torch_xla's CompileTime metric)."""
-        import torch_xla.debug.metrics as met
-
-        data = met.metric_data("CompileTime")
-        return float(data[1]) / 1e9 if data else 0.0
+    @classmethod
+    def compile_seconds(cls) -> float:
+        """Seconds XLA's compiler has spent in this process so far."""
+        return cls._compile_metric()[1]
 
     def graphs_since_warmup(self) -> int | None:
         """Graphs this executor's own steps compiled after its warmup (None before it). torch_xla's
@@ -338,11 +340,11 @@ class XLAExecutor(Executor):
             warmup.run(self, graphs, dummy_media, progress=self.progress)
             xla_s = self.compile_seconds() - xla_s
             self._after = after
-            total = time.perf_counter() - t0
-            print(f"mmzoo: compiled {len(graphs)} graph{'s' * (len(graphs) > 1)} in {total:.1f} s (XLA's compiler "
-                  f"{xla_s:.1f} s; tracing, lowering and the first runs {total - xla_s:.1f} s)",
-                  file=sys.stderr, flush=True)
         secs = time.perf_counter() - t0
+        if graphs:
+            print(f"mmzoo: compiled {len(graphs)} graph{'s' * (len(graphs) > 1)} in {secs:.1f} s (XLA's compiler "
+                  f"{xla_s:.1f} s; tracing, lowering and the first runs {secs - xla_s:.1f} s)",
+                  file=sys.stderr, flush=True)
         self.warmup_s = (self.warmup_s or 0.0) + secs
         self._seen = self.compiled_graphs()
         if self._after is None:

@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 
 from mmzoo.cli import hydra_main
 from mmzoo.errors import MmzooError
-from mmzoo.serve.loop import EngineLoop, Stream
+from mmzoo.serve.loop import EngineLoop
 from mmzoo.serve.protocol import (
     BadRequest,
     ChatChoice,
@@ -210,7 +210,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         rid, created = new_id("chatcmpl" if kind == "chat" else "cmpl"), now()
         stops = body.stops()
         if body.stream:
-            return StreamingResponse(sse(kind, body, prepared, stops, rid, created, http),
+            return StreamingResponse(sse(kind, body, prepared, stops, rid, created),
                                      media_type="text/event-stream")
         collect = asyncio.ensure_future(_collect(generate(prepared, stops)))
         gone = asyncio.ensure_future(until_disconnected(http))
@@ -230,7 +230,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         return Completion(id=rid, created=created, model=body.model, usage=usage,
                           choices=[CompletionChoice(text=text, finish_reason=reason, token_ids=ids)])
 
-    async def sse(kind, body, prepared, stops, rid, created, http) -> AsyncIterator[str]:
+    async def sse(kind, body, prepared, stops, rid, created) -> AsyncIterator[str]:
         def event(obj) -> str:
             return f"data: {obj.model_dump_json()}\n\n"
 

@@ -8,6 +8,7 @@ import torch
 import mmzoo
 from mmzoo.executor.xla import RecompileError
 from mmzoo.fixtures import make_image
+from mmzoo.types import Request
 
 SMALL = dict(max_model_len=128, min_prefill=32, min_decode_kv=32, encoder_buckets={"vision": [64, 256]},
              progress=False)
@@ -301,3 +302,50 @@ def test_keys_held_transposed_on_xla_cpu(xla_engine, qwen2_vl_ckpt, image_files)
     assert pallas.executor.decode_kv_buckets == [128]  # its decode kernel stops at each sequence's length
     with pytest.raises(ValueError, match="transpose_keys"):
         mmzoo.executor.XLAExecutor(transpose_keys="sometimes")
+
+
+def test_prompts_admitted_together_share_one_prefill_step(xla_engine, image_files, monkeypatch):
+    """Prompts admitted together are packed into one prefill step (each attending to itself
+    only), up to ``max_prefill_tokens``; every one gets the tokens it gets alone, with no graph
+    compiled after warmup."""
+    exe = xla_engine.executor
+    reqs = [{"prompt": "what shape is this " * (1 + i), "images": image_files[:1 - min(i, 1)],
+             "max_new_tokens": 4, "ignore_eos": True} for i in range(3)]  # an image in the first
+    lengths = [len(xla_engine.prepare(Request(**r)).input_ids) for r in reqs]
+    assert sum(lengths) <= exe.max_prefill_tokens, lengths
+    alone = [xla_engine.generate([r])[0].token_ids for r in reqs]
+    counts, prefill = [], exe.prefill
+
+    def recording(inputs, *args, **kwargs):
+        counts.append(inputs.count)
+        return prefill(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(exe, "prefill", recording)
+    before = exe.compiled_graphs()
+    assert [r.token_ids for r in xla_engine.generate(reqs)] == alone
+    assert counts == [3]
+    counts.clear()
+    monkeypatch.setattr(exe, "max_prefill_tokens", lengths[0] + lengths[1])  # the third does not fit
+    assert [r.token_ids for r in xla_engine.generate(reqs)] == alone
+    assert counts == [2, 1]
+    assert exe.compiled_graphs() == before
+
+
+def test_packed_prefill_inputs_layout():
+    """Two prompts packed into a 16-token bucket: segments, cache slots and positions per token,
+    each prompt's last token; padding in a segment of its own, writing the first slot's last cache
+    position (which no prompt reaches); the per-prompt rows padded with the first prompt's."""
+    import numpy as np
+
+    from mmzoo.executor.steps import PrefillInputs
+
+    a = (np.array([5, 6, 7]), np.arange(3)[None], np.array([-1, 0, -1]), 2)
+    b = (np.array([8, 9]), np.arange(2)[None] + 10, np.array([-1, -1]), 0)
+    p = PrefillInputs.pack(8, 4, 32, [a, b])
+    assert p.input_ids.tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
+    assert p.positions.tolist() == [[0, 1, 2, 10, 11, 0, 0, 0]]
+    assert p.mm_index.tolist() == [-1, 0, -1, -1, -1, -1, -1, -1]
+    assert p.segment.tolist() == [0, 0, 0, 1, 1, 2, 2, 2]
+    assert p.write_slot.tolist() == [2, 2, 2, 0, 0, 2, 2, 2]
+    assert p.write_pos.tolist() == [0, 1, 2, 0, 1, 31, 31, 31]
+    assert p.slots.tolist() == [2, 0, 2, 2] and p.last.tolist() == [2, 4, 2, 2] and p.count == 2

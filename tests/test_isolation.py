@@ -112,9 +112,9 @@ def test_a_poisoned_neighbour_in_the_decode_batch(batched, monkeypatch):
 
     def prefill_then_poison(inputs, *args, **kwargs):
         token = prefill(inputs, *args, **kwargs)
-        if inputs.slot == 1 and not poisoned:
+        if 1 in inputs.slots[:inputs.count] and not poisoned:
             poison(exe, 1)
-            poisoned.append(inputs.slot)
+            poisoned.append(1)
         return token
 
     poisoned = []

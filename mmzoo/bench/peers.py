@@ -72,14 +72,19 @@ class HFPeer:
 
 
 class MmzooPeer:
-    """mmzoo's XLA executor with one attention backend, compiling the graphs these prompts need."""
+    """mmzoo's XLA executor with one attention backend, compiling the graphs these prompts need: a
+    batch's prompts are packed into one prefill step (``max_prefill_tokens`` holds them all, as
+    vLLM's ``max_num_batched_tokens`` would), with a bucket per batch size."""
 
-    def __init__(self, checkpoint, family: str, dtype: str, attention: str, max_batch: int, max_len: int, prefill: int):
+    def __init__(self, checkpoint, family: str, dtype: str, attention: str, batches: list[int], max_len: int,
+                 prompt_len: int):
         import mmzoo
 
         self.engine = mmzoo.load(checkpoint, model=family, executor="xla", attention=attention, dtype=dtype,
-                                 towers=False, max_batch=max_batch, max_model_len=max_len,
-                                 prefill_buckets=[prefill], warmup="needed", on_recompile="error", progress=False)
+                                 towers=False, max_batch=max(batches), max_model_len=max_len,
+                                 max_prefill_tokens=prompt_len * max(batches),
+                                 prefill_buckets=sorted({prompt_len * b for b in batches}), warmup="needed",
+                                 on_recompile="error", progress=False)
 
     def run(self, ids: np.ndarray, new: int) -> list[float]:
         results = self.engine.generate([{"prompt_token_ids": [int(t) for t in row], "max_new_tokens": new,
@@ -103,7 +108,7 @@ def run(cfg: DictConfig, checkpoint, hf_class: str) -> list[dict]:
               "transformers-compiled": lambda: HFPeer(checkpoint, hf_class, cfg.dtype, compiled=True)}
     for attn in pc.attention:
         makers[f"mmzoo-xla ({attn})"] = (lambda a=attn: MmzooPeer(checkpoint, str(cfg.family), cfg.dtype, a,
-                                                                  max(batches), max_len, plen))
+                                                                  batches, max_len, plen))
     rows = []
     for system, make in makers.items():
         say(f"peers: {system}")

@@ -10,8 +10,9 @@ Three kinds of device step, each a fixed set of shapes on XLA:
 
 * **encode** (per tower and input-row bucket): a tower's embeddings written into the persistent
   media buffer at an offset, so the prompt graph never depends on media sizes;
-* **prefill** (per prompt bucket): merge token and media embeddings, fill one KV-cache slot,
-  sample the first token;
+* **prefill** (per prompt-token bucket): the prompts admitted together packed into one row, each
+  attending to itself: merge token and media embeddings, fill each prompt's KV-cache slot, sample
+  each one's first token;
 * **decode** (per cache-length bucket): one token for every slot, then sampling. One decode step
   stays in flight: step N+1 takes its input tokens from step N's device output and is launched
   before step N's tokens are read back, so the host's per-step work overlaps the device's.
@@ -40,6 +41,9 @@ class Executor:
     Args:
         max_model_len: prompt plus generated tokens, the KV cache length per slot.
         max_batch: KV-cache slots, i.e. sequences decoded together.
+        max_prefill_tokens: prompt tokens one prefill step takes (vLLM's ``max_num_batched_tokens``):
+            prompts admitted together are packed into one step up to this many (None:
+            ``max_model_len``).
         progress: show a progress bar over requests.
 
     Attributes:
@@ -51,10 +55,14 @@ class Executor:
     name = "?"
     do_warmup = False
 
-    def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, progress: bool = False):
+    def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, max_prefill_tokens: int | None = None,
+                 progress: bool = False):
         if max_model_len <= 0 or max_batch <= 0:
             raise ValueError(f"max_model_len={max_model_len} and max_batch={max_batch} must be positive")
+        if max_prefill_tokens is not None and max_prefill_tokens <= 0:
+            raise ValueError(f"max_prefill_tokens={max_prefill_tokens} must be positive")
         self.max_model_len, self.max_batch, self.progress = max_model_len, max_batch, progress
+        self.max_prefill_tokens = max_prefill_tokens or max_model_len
         self.encoder_buckets: dict[str, list[int]] = {}
         self.model = None
         self.warm: set = set()  # the warmup Graphs compiled so far (mmzoo.executor.warmup)
@@ -199,51 +207,107 @@ class Executor:
         self.step_done()
         return self.media.cpu()[: item.num_embeds].clone()
 
-    def prefill_inputs(self, prepared: Prepared, slot: int = 0) -> PrefillInputs:
-        """The prompt padded to its bucket, its placeholders pointing at media-buffer rows; runs the
-        towers (one encode step per :class:`TowerInput`), writing the buffer from row 0."""
+    def media_rows(self, item: TowerInput) -> int:
+        """The media-buffer rows :meth:`encode` writes for ``item`` (real and padding): known once its
+        step has run (at warmup), else the tower's output rows scaled to the padded input rows."""
+        if item.embeds is not None:
+            return self.encoder_rows("embeds", item.embeds.shape[0])
+        rows = self.encoder_rows(item.tower, round_up(item.rows, item.row_multiple))
+        known = self._encoded_rows.get(("encode", item.tower, rows, tuple(sorted(item.inputs))))
+        return known if known is not None else -(-rows * item.num_embeds // max(item.rows, 1))
+
+    def prefill_budget(self) -> int:
+        """The most prompt tokens one packed prefill step takes."""
+        return self.max_prefill_tokens
+
+    def check_prompt(self, prepared: Prepared) -> None:
+        """Refuse a prompt no prefill step can take (too long for the cache, or for every bucket)."""
         n = len(prepared.input_ids)
-        s = self.prefill_len(n)
-        inputs = PrefillInputs.zeros(s, prepared.positions.shape[0], slot)
-        inputs.input_ids[:n] = prepared.input_ids
-        inputs.positions[:, :n] = prepared.positions
-        inputs.length = n
-        remap, start, offset = prepared.mm_index.copy(), 0, 0
+        if n + 1 > self.max_model_len:
+            raise MmzooError(f"prompt has {n} tokens; max_model_len={self.max_model_len} leaves no room to generate")
+        self.prefill_len(n)  # raises when no bucket holds it
+
+    def prefill_groups(self, prepared: list[Prepared]) -> list[list[int]]:
+        """Split prompts (each passing :meth:`check_prompt`) into consecutive groups that one packed
+        prefill step takes: at most ``max_batch``, their tokens within :meth:`prefill_budget` and
+        their media within the media buffer. A prompt over a budget alone is a group of its own."""
+        groups: list[list[int]] = []
+        tokens = rows = 0
+        budget, room = self.prefill_budget(), self.media.shape[0]
+        for i, p in enumerate(prepared):
+            try:
+                n, m = len(p.input_ids), sum(self.media_rows(item) for item in p.media)
+            except MmzooError:  # media no bucket holds: the prompt fails alone, at its encode
+                n, m = len(p.input_ids), 0
+            if groups and len(groups[-1]) < self.max_batch and tokens + n <= budget and rows + m <= room:
+                groups[-1].append(i)
+                tokens, rows = tokens + n, rows + m
+            else:
+                groups.append([i])
+                tokens, rows = n, m
+        return groups
+
+    def _encode_prompt_media(self, prepared: Prepared, offset: int) -> tuple[np.ndarray, int]:
+        """Run the prompt's towers (one encode step per :class:`TowerInput`), writing the media
+        buffer from row ``offset``; returns its ``mm_index`` pointing at those rows, and the rows
+        written."""
+        remap, start, at = prepared.mm_index.copy(), 0, offset
         for item in prepared.media:
-            written = self.encode(item, offset)
+            written = self.encode(item, at)
             self.step_done()
             sel = (prepared.mm_index >= start) & (prepared.mm_index < start + item.num_embeds)
-            remap[sel] = prepared.mm_index[sel] - start + offset
+            remap[sel] = prepared.mm_index[sel] - start + at
             start += item.num_embeds
+            at += written
+        return remap, at - offset
+
+    def prefill_inputs(self, prepared: list[Prepared], slots: list[int]
+                       ) -> tuple[PrefillInputs | None, dict[int, MmzooError]]:
+        """Prompts (one :meth:`prefill_groups` group) packed into their bucket for ``slots``, their
+        media encoded one after another into the media buffer. A prompt whose media fail is left
+        out, with its error under its index; None when none is left."""
+        packed, failed, offset = [], {}, 0
+        for i, (p, slot) in enumerate(zip(prepared, slots)):
+            try:
+                index, written = self._encode_prompt_media(p, offset)
+            except MmzooError as e:
+                failed[i] = e
+                continue
             offset += written
-        inputs.mm_index[:n] = remap
-        return inputs
+            packed.append((p.input_ids, p.positions, index, slot))
+        if not packed:
+            return None, failed
+        s = self.prefill_len(sum(len(ids) for ids, *_ in packed))
+        return PrefillInputs.pack(s, self.max_batch, self.max_model_len, packed), failed
 
     @torch.no_grad()
     def prefill(self, inputs: PrefillInputs, sampling: Sampling | None = None) -> torch.Tensor:
-        """The prompt into its cache slot; returns the first token ``[1]`` (on the device)."""
-        sampling = sampling or Sampling.greedy_rows(1)
-        head = [] if sampling.greedy else [self._tensor(sampling.top_k), self._tensor(sampling.floats())]
-        ids, pos, index = (self._tensor(a) for a in (inputs.input_ids[None], inputs.positions[:, None],
-                                                      inputs.mm_index[None]))
+        """The packed prompts into their cache slots; returns each prompt's first token ``[rows]``
+        (on the device; the first ``inputs.count`` are real)."""
+        rows = len(inputs.slots)
+        sampling = sampling or Sampling.greedy_rows(rows)
+        floats = [] if sampling.greedy else [self._tensor(sampling.floats())]
 
         def step(*args):
             return (prefill_step(self.model, self.cache, *args),)
 
-        args = [ids, pos, index, self._tensor([inputs.slot]), self._tensor([inputs.length - 1]), self.media] + head
-        (token,) = self.run_step(("prefill", len(inputs.input_ids), sampling.greedy), step, args, "cache")
+        args = [self._tensor(inputs.token_rows()), self._tensor(inputs.prompt_rows(sampling.top_k)), self.media]
+        (token,) = self.run_step(("prefill", len(inputs.input_ids), sampling.greedy), step, args + floats, "cache")
         return token
 
     @torch.no_grad()
     def prompt_logits(self, prepared: Prepared) -> np.ndarray:
-        """``[s, vocab]`` float32 logits at every prompt position (no cache; for scoring and tests)."""
-        inputs = self.prefill_inputs(prepared)
-        ids, pos, index = (self._tensor(a) for a in (inputs.input_ids[None], inputs.positions[:, None],
-                                                      inputs.mm_index[None]))
+        """``[n, vocab]`` float32 logits at every prompt position (no cache; for scoring and tests)."""
+        n = len(prepared.input_ids)
+        s = self.prefill_len(n)
+        index, _ = self._encode_prompt_media(prepared, 0)
+        ids, pos, mm = np.zeros(s, np.int64), np.zeros((prepared.positions.shape[0], s), np.int64), np.full(s, -1)
+        ids[:n], pos[:, :n], mm[:n] = prepared.input_ids, prepared.positions, index
         self.step_begin()
-        logits = self.model(ids, pos, mm_embeds=self.media, mm_index=index)
+        logits = self.model(self._tensor(ids[None]), self._tensor(pos[:, None]), mm_embeds=self.media,
+                            mm_index=self._tensor(mm[None], torch.long))
         self.step_done()
-        return logits[0].cpu().numpy()[: inputs.length]
+        return logits[0].cpu().numpy()[:n]
 
     @torch.no_grad()
     def decode(self, inputs: DecodeInputs, sampling: Sampling | None = None,
@@ -407,21 +471,15 @@ class Generation:
     def step(self) -> None:
         """Admit what fits (prefill, first token), then one decode step for every running sequence."""
         exe, sched = self.exe, self.sched
+        admitted = []
         for seq in sched.admit():
             try:
-                if seq.length + 1 > exe.max_model_len:
-                    raise MmzooError(f"prompt has {seq.length} tokens; max_model_len={exe.max_model_len} "
-                                     f"leaves no room to generate")
-                first = exe.prefill(exe.prefill_inputs(seq.prepared, seq.slot), exe.sampling_for({0: seq}, 1))
-                exe.step_done()
-                token = int(first.cpu()[0])
+                exe.check_prompt(seq.prepared)
+                admitted.append(seq)
             except MmzooError as e:
-                sched.drop(seq)
-                seq.result.error = str(e)
-                self._done(seq)
-                continue
-            seq.result.ttft_s = time.perf_counter() - sched.t0 - seq.t_added
-            self._emit(seq, token, seq.length)
+                self._fail(seq, e)
+        for group in exe.prefill_groups([seq.prepared for seq in admitted]):
+            self._prefill([admitted[i] for i in group])
         inflight = self.inflight
         flying = {slot: seq for slot, seq, _ in inflight[1]} if inflight else {}
         ahead = {slot for slot, seq in sched.running.items() if flying.get(slot) is seq}  # a token in flight
@@ -440,6 +498,33 @@ class Generation:
                 if sched.running.get(slot) is seq:
                     self._emit(seq, int(tokens[slot]), cached)
         self.inflight = launched
+
+    def _fail(self, seq: Sequence, error: MmzooError) -> None:
+        self.sched.drop(seq)
+        seq.result.error = str(error)
+        self._done(seq)
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """One packed prefill step for ``seqs``; each gets its first token (or its error)."""
+        exe = self.exe
+        try:
+            inputs, failed = exe.prefill_inputs([seq.prepared for seq in seqs], [seq.slot for seq in seqs])
+            for i, e in failed.items():
+                self._fail(seqs[i], e)
+            seqs = [seq for i, seq in enumerate(seqs) if i not in failed]
+            if inputs is None:
+                return
+            first = exe.prefill(inputs, exe.sampling_for(dict(enumerate(seqs)), exe.max_batch))
+            exe.step_done()
+            tokens = first.cpu().numpy()
+        except MmzooError as e:
+            for seq in seqs:
+                self._fail(seq, e)
+            return
+        now = time.perf_counter() - self.sched.t0
+        for seq, token in zip(seqs, tokens):
+            seq.result.ttft_s = now - seq.t_added
+            self._emit(seq, int(token), seq.length)
 
     def settle(self) -> None:
         """Wait for a launched step whose tokens nobody will read (a run stopped early)."""

@@ -7,9 +7,10 @@ already padded to a bucket, so one graph serves every call of that shape. The ex
 traced or as replayed graphs.
 
 The inputs are typed on the host (:class:`PrefillInputs`, :class:`DecodeInputs`,
-:class:`Sampling`); a step's per-row integers travel to the device as one int64 array and its
-sampling floats as one float32 array (each transfer costs about as much as a small kernel), whose
-rows are named by :data:`DECODE_ROWS` and :data:`SAMPLING_ROWS`.
+:class:`Sampling`); a step's per-row integers travel to the device as one int64 array (two for a
+prefill: per token and per prompt) and its sampling floats as one float32 array (each transfer
+costs about as much as a small kernel), whose rows are named by :data:`DECODE_ROWS`,
+:data:`PREFILL_TOKEN_ROWS`, :data:`PREFILL_PROMPT_ROWS` and :data:`SAMPLING_ROWS`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from mmzoo.executor._sampling import greedy, sample
 
 DECODE_ROWS = ("use_prev", "token", "write", "rope", "top_k")  # the int64 rows of a decode step, in order
 SAMPLING_ROWS = ("temperature", "top_p", "uniform")  # the float32 rows of a sampling head, in order
+PREFILL_TOKEN_ROWS = ("input_ids", "mm_index", "segment", "write_slot", "write_pos")  # then the rotary axes
+PREFILL_PROMPT_ROWS = ("slot", "last", "top_k")  # a packed prefill's int64 rows per prompt
 
 
 @dataclass
@@ -52,18 +55,62 @@ class Sampling:
 
 @dataclass
 class PrefillInputs:
-    """One prompt padded to its bucket ``s`` (host arrays)."""
+    """Prompts packed into one row of ``s`` tokens (a prefill bucket; host arrays), vLLM-style: each
+    prompt attends only to itself (its segment), each token's key and value go to its prompt's
+    KV-cache slot, and the first token of every prompt is picked from its last position. One
+    graph per bucket serves one prompt or several; the ``rows`` per-prompt entries are padded by
+    repeating the first prompt's (``count`` are real).
 
-    input_ids: np.ndarray  # [s] int64, zeros past the prompt
+    Padding tokens (past the prompts) form their own segment and write their keys at the last
+    cache position of the first prompt's slot, which no prompt reaches (a prompt leaves at least
+    one position to generate into) and which a decode step writes before it is ever attended to.
+    """
+
+    input_ids: np.ndarray  # [s] int64, zeros past the prompts
     positions: np.ndarray  # [axes, s] rotary positions
     mm_index: np.ndarray  # [s] media-buffer row of each placeholder, -1 elsewhere
-    slot: int  # the KV-cache slot the prompt fills
-    length: int  # real prompt tokens: the first token is sampled at position length - 1
+    segment: np.ndarray  # [s] which prompt each token belongs to (padding: one more)
+    write_slot: np.ndarray  # [s] the KV-cache slot each token is written into
+    write_pos: np.ndarray  # [s] and the cache position
+    slots: np.ndarray  # [rows] the slot each prompt fills (reset first)
+    last: np.ndarray  # [rows] each prompt's last token: its first new token is sampled there
+    count: int  # real prompts
 
     @classmethod
-    def zeros(cls, s: int, axes: int, slot: int = 0) -> "PrefillInputs":
-        """An all-padding prompt of bucket ``s`` (compiling the bucket at warmup)."""
-        return cls(np.zeros(s, np.int64), np.zeros((axes, s), np.int64), np.full(s, -1, np.int64), slot, 1)
+    def zeros(cls, s: int, axes: int, rows: int, max_len: int) -> "PrefillInputs":
+        """All padding in bucket ``s`` with ``rows`` prompt entries (compiling the bucket at warmup)."""
+        z = np.zeros(s, np.int64)
+        return cls(z, np.zeros((axes, s), np.int64), np.full(s, -1, np.int64), z.copy(), z.copy(),
+                   np.full(s, max_len - 1, np.int64), np.zeros(rows, np.int64), np.zeros(rows, np.int64), 0)
+
+    @classmethod
+    def pack(cls, s: int, rows: int, max_len: int, prompts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]
+             ) -> "PrefillInputs":
+        """Pack ``prompts`` (``(input_ids [n], positions [axes, n], mm_index [n], slot)`` each, their
+        ``mm_index`` already pointing at media-buffer rows) into bucket ``s``."""
+        axes = prompts[0][1].shape[0]
+        out = cls.zeros(s, axes, rows, max_len)
+        at = 0
+        for i, (ids, pos, index, slot) in enumerate(prompts):
+            n = len(ids)
+            span = slice(at, at + n)
+            out.input_ids[span], out.positions[:, span], out.mm_index[span] = ids, pos, index
+            out.segment[span], out.write_slot[span], out.write_pos[span] = i, slot, np.arange(n)
+            out.slots[i], out.last[i] = slot, at + n - 1
+            at += n
+        out.segment[at:], out.write_slot[at:] = len(prompts), prompts[0][3]
+        out.slots[len(prompts):], out.last[len(prompts):] = out.slots[0], out.last[0]
+        out.count = len(prompts)
+        return out
+
+    def token_rows(self) -> np.ndarray:
+        """``[5 + axes, s]`` int64 in :data:`PREFILL_TOKEN_ROWS` order, then the rotary positions."""
+        return np.concatenate([np.stack([self.input_ids, self.mm_index, self.segment, self.write_slot,
+                                         self.write_pos]), self.positions]).astype(np.int64)
+
+    def prompt_rows(self, top_k: np.ndarray) -> np.ndarray:
+        """``[3, rows]`` int64 in :data:`PREFILL_PROMPT_ROWS` order."""
+        return np.stack([self.slots, self.last, top_k]).astype(np.int64)
 
 
 @dataclass
@@ -106,16 +153,20 @@ def encode_step(model, media: torch.Tensor, tower: str | None, names: list[str],
     return emb.shape[0]
 
 
-def prefill_step(model, cache, ids: torch.Tensor, pos: torch.Tensor, index: torch.Tensor, slot: torch.Tensor,
-                 logits_index: torch.Tensor, media: torch.Tensor, top_k: torch.Tensor | None = None,
+def prefill_step(model, cache, tokens: torch.Tensor, prompts: torch.Tensor, media: torch.Tensor,
                  *floats: torch.Tensor) -> torch.Tensor:
-    """Merge token and media embeddings of one padded prompt ``[1, s]``, write its keys and values
-    into ``slot`` (its whole row reset first: nothing of its previous sequence stays), and pick the
-    first token from the logits at ``logits_index`` -> ``[1]``."""
-    s = ids.shape[1]
-    view = cache.prefill(slot, torch.arange(s, device=slot.device)[None])
-    logits = model(ids, pos, mm_embeds=media, mm_index=index, cache=view, logits_index=logits_index)
-    return _head(logits, top_k, floats)
+    """Packed prompts (:class:`PrefillInputs`): ``tokens`` is its :meth:`~PrefillInputs.token_rows`
+    and ``prompts`` its :meth:`~PrefillInputs.prompt_rows` on the device. Merges token and media
+    embeddings, resets each prompt's slot (nothing of its previous sequence stays) and writes the
+    prompt's keys and values there, each prompt attending to itself only; picks every prompt's
+    first token from its last position -> ``[rows]``."""
+    ids, index, segment, write_slot, write_pos = (tokens[PREFILL_TOKEN_ROWS.index(n)][None] for n in PREFILL_TOKEN_ROWS)
+    positions = tokens[len(PREFILL_TOKEN_ROWS):, None]  # [axes, 1, s]
+    slots, last, top_k = (prompts[PREFILL_PROMPT_ROWS.index(n)] for n in PREFILL_PROMPT_ROWS)
+    view = cache.prefill(slots, write_pos, token_slots=write_slot)
+    logits = model(ids, positions, mm_embeds=media, mm_index=index, cache=view,
+                   attn_kwargs={"q_segment_ids": segment, "kv_segment_ids": segment}, logits_index=last[None])
+    return _head(logits[0], top_k, floats)
 
 
 def decode_step(model, cache, kv_len: int, prev: torch.Tensor, rows: torch.Tensor, *floats: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,8 @@ def plan(executor, towers: list[str]) -> list[Graph]:
 
 def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     """The graphs a run of ``prepared`` can use, in :func:`plan`'s order: each media call's encode
-    (or embeddings) bucket; with ``generate``, each prompt's prefill bucket with its request's
-    head, and every decode KV bucket between the shortest prompt's first step and the longest
+    (or embeddings) bucket; with ``generate``, the prefill bucket of every run of prompts one step
+    can pack, with its requests' head, and every decode KV bucket between the shortest prompt's first step and the longest
     sequence's last, with the heads the requests sample with (a batch is greedy only when all its
     rows are). A request whose shapes fit no bucket adds nothing: it fails alone when it runs."""
     from mmzoo.buckets import round_up
@@ -54,6 +54,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
 
     out: set[Graph] = set()
     lo, hi, heads = None, 0, set()
+    prompts = []  # (tokens, greedy) of each prompt that can run, in order
     for p in prepared:
         try:
             graphs = set()
@@ -66,7 +67,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
             if generate:
                 n, req = len(p.input_ids), p.request
                 greedy = not req.temperature > 0
-                graphs.add(Graph("prefill", executor.prefill_len(n), greedy=greedy))
+                executor.check_prompt(p)
                 if req.max_new_tokens > 1 and n + 1 < executor.max_model_len:
                     last = min(n + req.max_new_tokens, executor.max_model_len)
                     lo = n + 1 if lo is None else min(lo, n + 1)
@@ -75,6 +76,19 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
         except MmzooError:
             continue
         out |= graphs
+        if generate:
+            prompts.append((n, greedy))
+    # the prompts admitted together are packed into one prefill step: admission takes waiting
+    # requests in order, so a step holds a consecutive run of up to max_batch prompts (any run,
+    # as slots free up) within the token budget
+    budget = executor.prefill_budget()
+    for i in range(len(prompts)):
+        tokens, greedy = 0, True
+        for n, g in prompts[i:i + executor.max_batch]:
+            tokens, greedy = tokens + n, greedy and g
+            if tokens > budget:
+                break
+            out.add(Graph("prefill", executor.prefill_len(tokens), greedy=greedy))
     if lo is not None:
         buckets = executor.decode_kv_buckets
         first, last = executor.decode_kv_len(lo), executor.decode_kv_len(hi)
@@ -114,7 +128,8 @@ def run(executor, graphs: list[Graph], dummy_media: Callable[[str, int], TowerIn
             executor.encode(TowerInput(tower="embeds", inputs={}, num_embeds=g.size,
                                        embeds=torch.zeros(g.size, executor.model.lm.dim)), 0)
         elif g.kind == "prefill":
-            out = executor.prefill(PrefillInputs.zeros(g.size, axes), _sampling(1, g.greedy))
+            out = executor.prefill(PrefillInputs.zeros(g.size, axes, executor.max_batch, executor.max_model_len),
+                                   _sampling(executor.max_batch, g.greedy))
         else:
             out = executor.decode(DecodeInputs.zeros(executor.max_batch, g.size), _sampling(executor.max_batch, g.greedy))
         executor.step_done()

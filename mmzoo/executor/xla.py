@@ -2,7 +2,7 @@
 
 Every step runs at a padded, bucketed shape so that XLA compiles a small, fixed set of graphs,
 all of them at warmup: each tower at each input-row bucket (padding rows carry their own
-attention segment, so they change nothing), the prompt at each prefill bucket, and one decode
+attention segment, so they change nothing), the prompts at each prefill bucket, and one decode
 step, each with greedy and sampling heads. After warmup a compile guard watches torch_xla's
 compilation counter, and each step runs as its compiled graph without being traced again
 (:mod:`mmzoo.executor._replay`).
@@ -43,8 +43,11 @@ class XLAExecutor(Executor):
     Args:
         max_model_len: KV-cache length per slot; the largest prefill bucket.
         max_batch: decode slots.
-        prefill_buckets: padded prompt lengths; default: doubling from ``min_prefill`` to
-            ``max_model_len``, in steps of ``prefill_linear_step`` past ``prefill_linear_after``.
+        max_prefill_tokens: prompt tokens one packed prefill step takes (:class:`Executor`);
+            None: ``max_model_len``.
+        prefill_buckets: padded token counts of a prefill step (one prompt, or several packed);
+            default: doubling from ``min_prefill`` to the larger of ``max_model_len`` and
+            ``max_prefill_tokens``, in steps of ``prefill_linear_step`` past ``prefill_linear_after``.
         encoder_buckets: tower name -> padded input-row counts (Qwen2-VL: patches per call);
             default: doubling from ``min_encoder_rows`` to ``max_encoder_rows``.
         decode_kv_buckets: KV-cache lengths a decode step attends over (the smallest that holds
@@ -75,7 +78,8 @@ class XLAExecutor(Executor):
 
     name = "xla"
 
-    def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, prefill_buckets: list[int] | None = None,
+    def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, max_prefill_tokens: int | None = None,
+                 prefill_buckets: list[int] | None = None,
                  min_prefill: int = 16, prefill_linear_after: int | None = None, prefill_linear_step: int | None = None,
                  encoder_buckets: dict[str, list[int]] | None = None, min_encoder_rows: int = 64,
                  max_encoder_rows: int = 16384, decode_kv_buckets: list[int] | None = None,
@@ -83,14 +87,17 @@ class XLAExecutor(Executor):
                  compile_cache_dir: str | None = None, progress: bool = False, transpose_weights: bool | str = "auto",
                  fuse_projections: bool | str = "auto", transpose_keys: bool | str = "auto",
                  replay_steps: bool | str = "auto"):
-        super().__init__(max_model_len=max_model_len, max_batch=max_batch, progress=progress)
+        super().__init__(max_model_len=max_model_len, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
+                         progress=progress)
         if on_recompile not in ("error", "warn", "ignore"):
             raise ValueError(f"on_recompile={on_recompile!r}: choose error, warn or ignore")
+        top = max(max_model_len, self.max_prefill_tokens)
         self.prefill_buckets = (sorted(int(b) for b in prefill_buckets) if prefill_buckets else
-                                doubling(min(min_prefill, max_model_len), max_model_len,
+                                doubling(min(min_prefill, max_model_len), top,
                                          linear_after=prefill_linear_after, step=prefill_linear_step))
-        if self.prefill_buckets[-1] > max_model_len:
-            raise ValueError(f"prefill bucket {self.prefill_buckets[-1]} exceeds max_model_len={max_model_len}")
+        if self.prefill_buckets[-1] > top:
+            raise ValueError(f"prefill bucket {self.prefill_buckets[-1]} exceeds max_model_len={max_model_len} "
+                             f"and max_prefill_tokens={self.max_prefill_tokens}")
         self.encoder_buckets = {k: sorted(int(x) for x in v) for k, v in (encoder_buckets or {}).items()}
         self.default_encoder_buckets = doubling(min_encoder_rows, max_encoder_rows)
         if decode_kv_buckets is not None:
@@ -221,6 +228,9 @@ class XLAExecutor(Executor):
 
     def prefill_len(self, n: int) -> int:
         return pick(self.prefill_buckets, n, "prompt length (tokens)")
+
+    def prefill_budget(self) -> int:
+        return min(self.max_prefill_tokens, self.prefill_buckets[-1])
 
     def encoder_rows(self, tower: str, n: int) -> int:
         return pick(self.tower_buckets(tower), n, f"{tower} encoder input rows")

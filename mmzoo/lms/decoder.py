@@ -63,17 +63,19 @@ class DecoderLM(nn.Module):
             positions: ``[axes, b, s]`` rotary positions (1 axis for RoPE, 3 for M-RoPE).
             cache: a KV-cache view (see :mod:`mmzoo.lms.kv_cache`) or None.
             attn_kwargs: masking arguments for the backend (``q_positions``, ``kv_lengths``, ...).
-            logits_index: ``[b]`` the one position per row to compute logits at, or None for all.
+            logits_index: ``[b]`` the one position per row to compute logits at, ``[b, n]`` the
+                ``n`` positions per row (prompts packed in a row), or None for all.
 
         Returns:
-            ``[b, s, vocab]`` logits, or ``[b, vocab]`` with ``logits_index``.
+            ``[b, s, vocab]`` logits, or ``[b, vocab]`` / ``[b, n, vocab]`` with ``logits_index``.
         """
         rope = self.rotary(positions)
         x = inputs_embeds
         for layer in self.layers:
             x = layer(x, rope=rope, cache=cache, attn_kwargs=attn_kwargs)
         if logits_index is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), logits_index]  # [b, dim]
+            rows = torch.arange(x.shape[0], device=x.device)
+            x = x[rows if logits_index.dim() == 1 else rows[:, None], logits_index]  # [b, dim] / [b, n, dim]
         return self.lm_head(self.norm(x)).float()
 
 

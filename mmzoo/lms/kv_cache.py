@@ -47,7 +47,9 @@ class KVCache:
 
     @staticmethod
     def write_index(slots: torch.Tensor, positions: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, ...]:
-        """``(slot, head, position)`` indices ``[b, hkv, s]`` for writing ``[b, hkv, s, d]`` keys.
+        """``(slot, head, position)`` indices ``[b, hkv, s]`` for writing ``[b, hkv, s, d]`` keys:
+        ``slots [b]`` (a row's tokens go to one slot) or ``[b, s]`` (each token's own: several
+        prompts packed in one row), ``positions [b, s]``.
 
         Every leading axis gets an index, so the scatter runs in the cache's own layout (indexing
         with a slice in the middle would move the advanced axes first: XLA then copies the whole
@@ -55,7 +57,8 @@ class KVCache:
         b, s = positions.shape
         shape = (b, num_heads, s)
         heads = torch.arange(num_heads, device=positions.device).view(1, num_heads, 1)
-        return slots.view(b, 1, 1).expand(shape), heads.expand(shape), positions.view(b, 1, s).expand(shape)
+        slots = slots.view(b, 1, s) if slots.dim() == 2 else slots.view(b, 1, 1)
+        return slots.expand(shape), heads.expand(shape), positions.view(b, 1, s).expand(shape)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, index: tuple[torch.Tensor, ...]):
         # k, v: [b, hkv, s, d] -> cache[slot, h, pos] = k[:, h]
@@ -75,11 +78,13 @@ class KVCache:
             k.index_fill_(0, slots, 0)
             v.index_fill_(0, slots, 0)
 
-    def prefill(self, slots: torch.Tensor, positions: torch.Tensor) -> "PrefillView":
+    def prefill(self, slots: torch.Tensor, positions: torch.Tensor,
+                token_slots: torch.Tensor | None = None) -> "PrefillView":
         """Reset ``slots [b]`` (:meth:`reset`) and return a view writing ``[b, s]`` prompt positions
-        into them."""
+        into them: row ``i`` into ``slots[i]``, or each token into its own ``token_slots [b, s]``
+        (prompts packed in one row; ``slots`` then lists every slot they fill)."""
         self.reset(slots)
-        return PrefillView(self, slots, positions)
+        return PrefillView(self, slots if token_slots is None else token_slots, positions)
 
     def decode(self, positions: torch.Tensor, kv_len: int | None = None) -> "DecodeView":
         """A view writing ``positions [num_slots, s]`` into every slot (one row per slot) and

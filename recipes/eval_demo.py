@@ -3,7 +3,8 @@
 Draws ``examples`` fresh scenes (``mmzoo.demo.shapes``, the held-out seed), asks each its
 question through ``mmzoo.load`` (greedy), and prints the accuracy per category, per aspect-ratio
 bucket (long side / short side) and overall, with the first wrong answers. ``side_range`` draws
-sizes off the training grid (the embedded model saw only 56-140 px sides in steps of 28).
+image sides from a range (null: the first demo model's grid of 56-140 px in steps of 28) and
+``shape_sides`` the shapes' sizes (null: 20-44 px).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def bucket(width: int, height: int) -> str:
 
 
 def run(cfg: DictConfig) -> dict:
-    side_range = tuple(int(v) for v in cfg.side_range) if cfg.side_range is not None else None
-    examples = shapes.make_examples(int(cfg.examples), int(cfg.seed), side_range=side_range)
+    side_range, shape_sides = (None if cfg.get(k) is None else tuple(int(v) for v in cfg[k])
+                               for k in ("side_range", "shape_sides"))
+    examples = shapes.make_examples(int(cfg.examples), int(cfg.seed), side_range=side_range, shape_sides=shape_sides)
     engine = mmzoo.load(cfg.checkpoint, model="qwen2_vl", executor=str(cfg.executor))
     results = engine.generate([{"prompt": ex.question, "images": [ex.image], "max_new_tokens": 4}
                                for ex in examples])
@@ -44,14 +46,16 @@ def run(cfg: DictConfig) -> dict:
         if not ok:
             wrong.append({"size": list(ex.image.size), "question": ex.question, "answer": ex.answer,
                           "got": r.text if r.error is None else f"error: {r.error}"})
-    sizes = f"sides {side_range[0]}-{side_range[1]} px" if side_range else "the training sizes"
+    sizes = f"sides {side_range[0]}-{side_range[1]} px" if side_range else "sides of 56-140 px in steps of 28"
+    sizes += f", shapes {shape_sides[0]}-{shape_sides[1]} px" if shape_sides else ", shapes 20-44 px"
     print(f"held-out accuracy of {engine.checkpoint} on {len(examples)} scenes ({sizes}, seed {cfg.seed}):")
     for key in sorted(tally, key=lambda k: (k != "all", k)):
         right, n = tally[key]
         print(f"  {key:<22}{right:>5}/{n:<5}{right / n:>8.1%}")
     for w in wrong[: int(cfg.show_wrong)]:
         print(f"  wrong: {w['size'][0]}x{w['size'][1]} {w['question']!r}: {w['got']!r}, not {w['answer']!r}")
-    out = {"checkpoint": str(engine.checkpoint), "side_range": side_range, "seed": int(cfg.seed),
+    out = {"checkpoint": str(engine.checkpoint), "side_range": side_range, "shape_sides": shape_sides,
+           "seed": int(cfg.seed),
            "accuracy": {k: v[0] / v[1] for k, v in tally.items()}, "counts": dict(tally), "wrong": wrong}
     if cfg.output:
         write_json(cfg.output, out)

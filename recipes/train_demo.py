@@ -176,8 +176,9 @@ def pretrain_vision(model, processor, aux: "VisionProbe", cfg: DictConfig, strea
     for step in range(steps):
         scenes = [scene for scene, _ in itertools.islice(stream, int(cfg.batch_size))]
         enc = processor.image_processor(images=[shapes.render(s) for s in scenes])
-        vision(torch.as_tensor(enc["pixel_values"]), grid_thw=torch.as_tensor(enc["image_grid_thw"]))
-        loss = aux.loss(scenes)
+        grid_thw = torch.as_tensor(enc["image_grid_thw"])
+        vision(torch.as_tensor(enc["pixel_values"]), grid_thw=grid_thw)
+        loss = aux.loss(scenes, grid_thw)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -202,7 +203,8 @@ class VisionProbe:
 
     def __init__(self, model, config, cfg: DictConfig):
         vision = model.model.visual
-        self.cell = int(config.vision_config.patch_size) * int(config.vision_config.spatial_merge_size)
+        self.merge = int(config.vision_config.spatial_merge_size)
+        self.cell = int(config.vision_config.patch_size) * self.merge
         self.mode, self.min_pixels = str(cfg.targets), int(cfg.min_pixels)
         self.head = torch.nn.Linear(int(config.text_config.hidden_size), 1 + len(shapes.SHAPES) + 1 + len(shapes.COLORS))
         self._tokens: torch.Tensor | None = None
@@ -211,16 +213,24 @@ class VisionProbe:
     def _keep(self, module, args, output) -> None:
         self._tokens = output  # [merged tokens of all images, hidden], images in order, each row-major
 
-    def loss(self, scenes: list[shapes.Scene]) -> torch.Tensor:
-        """Mean cross entropy of the kind and color heads over every image token of the last forward."""
-        kinds, colors = zip(*(shapes.cell_targets(s, self.cell, mode=self.mode, min_pixels=self.min_pixels)
-                              for s in scenes))
+    def loss(self, scenes: list[shapes.Scene], grid_thw: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy of the kind and color heads over every image token of the last forward;
+        ``grid_thw`` ([images, 3] patches) is the processor's, which may have resized the images."""
+        kinds, colors = zip(*(shapes.cell_targets(s, self.cell, mode=self.mode, min_pixels=self.min_pixels,
+                                                  grid=(int(h) // self.merge, int(w) // self.merge))
+                              for s, (_, h, w) in zip(scenes, grid_thw.tolist())))
         kinds = torch.from_numpy(np.concatenate([k.reshape(-1) for k in kinds]))
         colors = torch.from_numpy(np.concatenate([c.reshape(-1) for c in colors]))
         logits = self.head(self._tokens)
         n = 1 + len(shapes.SHAPES)
         ce = torch.nn.functional.cross_entropy
         return ce(logits[:, :n], kinds, ignore_index=-100) + ce(logits[:, n:], colors, ignore_index=-100)
+
+
+def data_ranges(cfg: DictConfig) -> dict[str, tuple[int, int] | None]:
+    """``side_range`` and ``shape_sides`` for :mod:`mmzoo.demo.shapes` from the recipe's ``data``
+    (null: the generator's defaults, the first demo model's fixed grid of sizes)."""
+    return {k: None if cfg.get(k) is None else (int(cfg[k][0]), int(cfg[k][1])) for k in ("side_range", "shape_sides")}
 
 
 def _rounded(acc: dict[str, float]) -> dict[str, float]:
@@ -249,9 +259,11 @@ def train(cfg: DictConfig) -> Path:
         print(f"train_demo: {params / 1e6:.2f}M parameters, {cfg.steps} steps of {cfg.batch_size}", file=sys.stderr)
 
         aux = VisionProbe(model, config, cfg.aux)
+        data = data_ranges(cfg.data)
         t_train = time.perf_counter()
         if int(cfg.vision.steps):
-            pretrain_vision(model, processor, aux, cfg.vision, shapes.iter_conversations(shapes.VISION_SEED + int(cfg.seed)))
+            pretrain_vision(model, processor, aux, cfg.vision,
+                            shapes.iter_conversations(shapes.VISION_SEED + int(cfg.seed), **data))
         vision_s = time.perf_counter() - t_train
 
         decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
@@ -261,7 +273,7 @@ def train(cfg: DictConfig) -> Path:
                                 lr=float(cfg.lr), betas=(0.9, 0.98))
         steps = int(cfg.steps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(int(cfg.warmup_steps), steps))
-        stream = shapes.iter_conversations(shapes.TRAIN_SEED + int(cfg.seed))
+        stream = shapes.iter_conversations(shapes.TRAIN_SEED + int(cfg.seed), **data)
         model.train()
         t0, running, running_aux = time.perf_counter(), 0.0, 0.0
         for step in range(steps):
@@ -269,7 +281,7 @@ def train(cfg: DictConfig) -> Path:
             batch = encode_conversations(processor, conversations)
             loss = model(**batch).loss
             if float(cfg.aux.weight):
-                aux_loss = aux.loss([scene for scene, _ in conversations])
+                aux_loss = aux.loss([scene for scene, _ in conversations], batch["image_grid_thw"])
                 running_aux += float(aux_loss.detach())
                 loss = loss + float(cfg.aux.weight) * aux_loss
             opt.zero_grad(set_to_none=True)
@@ -284,7 +296,8 @@ def train(cfg: DictConfig) -> Path:
                       f"lr {sched.get_last_lr()[0]:.2e} {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
                 running = running_aux = 0.0
             if int(cfg.eval_every) and (step + 1) % int(cfg.eval_every) == 0 and step + 1 < steps:
-                val = accuracy(model, processor, shapes.make_examples(int(cfg.eval_examples) // 2, shapes.VALIDATION_SEED))
+                val = accuracy(model, processor, shapes.make_examples(int(cfg.eval_examples) // 2, shapes.VALIDATION_SEED,
+                                                                      **data))
                 print(f"train_demo: step {step + 1} validation accuracy {_rounded(val)}", file=sys.stderr, flush=True)
                 model.train()
         train_s = time.perf_counter() - t_train  # both phases
@@ -294,7 +307,7 @@ def train(cfg: DictConfig) -> Path:
                    "parameters": params, "vision_seconds": round(vision_s, 1), "train_seconds": round(train_s, 1),
                    "config": OmegaConf.to_container(cfg, resolve=True)}
         if int(cfg.eval_examples):
-            val = accuracy(model, processor, shapes.make_examples(int(cfg.eval_examples), shapes.VALIDATION_SEED))
+            val = accuracy(model, processor, shapes.make_examples(int(cfg.eval_examples), shapes.VALIDATION_SEED, **data))
             summary["validation_accuracy"] = _rounded(val)
             print(f"train_demo: validation accuracy {summary['validation_accuracy']}", file=sys.stderr)
         model.save_pretrained(tmp)

@@ -86,7 +86,7 @@ class Example:
 
 
 def random_scene(rng: np.random.Generator, *, num_shapes: int | None = None,
-                 side_range: tuple[int, int] | None = None) -> Scene:
+                 side_range: tuple[int, int] | None = None, shape_sides: tuple[int, int] | None = None) -> Scene:
     """Draws a scene: size, background, then shapes placed one by one without overlap.
 
     Args:
@@ -94,7 +94,9 @@ def random_scene(rng: np.random.Generator, *, num_shapes: int | None = None,
         num_shapes: 1, 2 or 3; None draws it uniformly.
         side_range: draw the width and the height uniformly from ``[lo, hi]`` pixels (any integer:
             sizes off the training grid, other aspect ratios); None: from :data:`SIZES`, as the
-            embedded model was trained.
+            first demo model was trained.
+        shape_sides: each shape's bounding-box side is drawn from ``[lo, hi]`` pixels (capped by
+            the image); None: ``(20, 44)``.
 
     Returns:
         A :class:`Scene`. When the shapes do not fit (small image, large shapes), the whole scene
@@ -103,6 +105,10 @@ def random_scene(rng: np.random.Generator, *, num_shapes: int | None = None,
     if num_shapes is not None and not 1 <= num_shapes <= len(COUNT_WORDS):
         raise ValueError(f"num_shapes={num_shapes}: scenes hold 1 to {len(COUNT_WORDS)} shapes")
     n = int(rng.integers(1, len(COUNT_WORDS) + 1)) if num_shapes is None else num_shapes
+    lo_side, hi_side = (_MIN_SIDE, _MAX_SIDE) if shape_sides is None else (int(v) for v in shape_sides)
+    if side_range is not None and min(side_range) < lo_side + 2 * _GAP:
+        raise ValueError(f"side_range={tuple(side_range)}: an image side must hold a shape of {lo_side} px "
+                         f"and {_GAP} px borders, at least {lo_side + 2 * _GAP} px")
     while True:
         if side_range is None:
             width, height = (int(v) for v in rng.choice(SIZES, size=2))
@@ -112,8 +118,8 @@ def random_scene(rng: np.random.Generator, *, num_shapes: int | None = None,
         background = tuple(int(np.clip(level + rng.integers(-8, 9), 0, 255)) for _ in range(3))
         shapes: list[Shape] = []
         for _ in range(30 * n):  # placement attempts
-            limit = min(_MAX_SIDE, width - 2 * _GAP, height - 2 * _GAP)
-            side = int(rng.integers(_MIN_SIDE, limit + 1))
+            limit = min(hi_side, width - 2 * _GAP, height - 2 * _GAP)
+            side = int(rng.integers(lo_side, limit + 1))
             cx = int(rng.integers(_GAP + side // 2, width - _GAP - (side - side // 2) + 1))
             cy = int(rng.integers(_GAP + side // 2, height - _GAP - (side - side // 2) + 1))
             if all(abs(cx - s.cx) * 2 >= side + s.side + 2 * _GAP or abs(cy - s.cy) * 2 >= side + s.side + 2 * _GAP
@@ -163,31 +169,39 @@ def render(scene: Scene) -> Image.Image:
     return big.resize((scene.width, scene.height), Image.Resampling.BOX)
 
 
-def cell_targets(scene: Scene, cell: int, *, mode: str = "cover", min_pixels: int = 8) -> tuple[np.ndarray, np.ndarray]:
-    """Per-cell labels of a scene's ``cell`` x ``cell`` pixel grid (row-major, as the Qwen2-VL
-    merger emits its tokens when ``cell`` is patch x merge): the shape kind and color in each cell.
+def cell_targets(scene: Scene, cell: int, *, mode: str = "cover", min_pixels: int = 8,
+                 grid: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-cell labels of the image-token grid (row-major, as the Qwen2-VL merger emits its tokens
+    when ``cell`` is patch x merge): the shape kind and color in each cell.
 
     Args:
-        scene: the scene; its sides must be multiples of ``cell``.
-        cell: the cell side in pixels.
+        scene: the scene.
+        cell: the cell side in pixels of the image the vision tower sees.
         mode: "cover": a cell is labeled with the shape that covers most of its pixels (at least
             ``min_pixels``); "center": only the cell holding a shape's bounding-box center is.
         min_pixels: see ``mode``.
+        grid: ``(rows, cols)`` of cells the processor made of the image (its ``image_grid_thw``
+            height and width divided by the merge size), when it resized the image to
+            ``rows * cell`` x ``cols * cell`` px; the shapes are mapped onto that grid. None: the
+            image is not resized, so its sides must be multiples of ``cell``.
 
     Returns:
-        ``(kinds, colors)``, int64 arrays of ``[height // cell, width // cell]``: 0 for no shape,
-        else 1 + the index in :data:`SHAPES` / :data:`COLORS`; -100 (ignored by cross entropy)
-        where two shapes' centers share a cell in "center" mode.
+        ``(kinds, colors)``, int64 arrays of ``[rows, cols]``: 0 for no shape, else 1 + the index
+        in :data:`SHAPES` / :data:`COLORS`; -100 (ignored by cross entropy) where two shapes'
+        centers share a cell in "center" mode.
     """
-    if scene.width % cell or scene.height % cell:
-        raise ValueError(f"scene {scene.width}x{scene.height} px is not a whole number of {cell}-px cells")
-    rows, cols = scene.height // cell, scene.width // cell
+    if grid is None:
+        if scene.width % cell or scene.height % cell:
+            raise ValueError(f"scene {scene.width}x{scene.height} px is not a whole number of {cell}-px cells; "
+                             "pass the processor's grid")
+        grid = (scene.height // cell, scene.width // cell)
+    rows, cols = (int(v) for v in grid)
     kinds, colors = np.zeros((rows, cols), np.int64), np.zeros((rows, cols), np.int64)
     kind_ids = [1 + SHAPES.index(s.kind) for s in scene.shapes]
     color_ids = [1 + list(COLORS).index(s.color) for s in scene.shapes]
     if mode == "center":
         for s, k, c in zip(scene.shapes, kind_ids, color_ids):
-            r, q = s.cy // cell, s.cx // cell
+            r, q = s.cy * rows // scene.height, s.cx * cols // scene.width
             taken = kinds[r, q] != 0
             kinds[r, q], colors[r, q] = (-100, -100) if taken else (k, c)
         return kinds, colors
@@ -197,6 +211,8 @@ def cell_targets(scene: Scene, cell: int, *, mode: str = "cover", min_pixels: in
     draw = ImageDraw.Draw(mask)
     for i, s in enumerate(scene.shapes):
         _draw(draw, s, 1, i + 1)
+    if mask.size != (cols * cell, rows * cell):  # as the processor resized the image
+        mask = mask.resize((cols * cell, rows * cell), Image.Resampling.NEAREST)
     ids = np.asarray(mask).reshape(rows, cell, cols, cell).transpose(0, 2, 1, 3).reshape(rows, cols, -1)
     counts = np.stack([(ids == i + 1).sum(-1) for i in range(len(scene.shapes))], -1)  # [rows, cols, shapes]
     best = counts.argmax(-1)
@@ -228,15 +244,15 @@ def questions(scene: Scene) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-def iter_questions(seed: int, *, category: str | None = None,
-                   side_range: tuple[int, int] | None = None) -> Iterator[tuple[Scene, str, str, str]]:
+def iter_questions(seed: int, *, category: str | None = None, side_range: tuple[int, int] | None = None,
+                   shape_sides: tuple[int, int] | None = None) -> Iterator[tuple[Scene, str, str, str]]:
     """An endless stream of ``(scene, category, question, answer)``, deterministic from ``seed``.
 
     Args:
         seed: seeds the ``numpy.random.Generator`` that draws scenes, categories and questions.
         category: ask only this category (scenes without such a question are skipped); None draws
             the category uniformly among those the scene can answer.
-        side_range: the scenes' sizes (:func:`random_scene`).
+        side_range, shape_sides: the scenes' and the shapes' sizes (:func:`random_scene`).
 
     Yields:
         One question about each fresh scene (not rendered: :func:`iter_examples` renders).
@@ -245,7 +261,7 @@ def iter_questions(seed: int, *, category: str | None = None,
         raise ValueError(f"category={category!r}; known: {CATEGORIES}")
     rng = np.random.default_rng(seed)
     while True:
-        scene = random_scene(rng, side_range=side_range)
+        scene = random_scene(rng, side_range=side_range, shape_sides=shape_sides)
         qs = questions(scene)
         if category is None:
             cat = [c for c in CATEGORIES if qs[c]][int(rng.integers(sum(1 for c in CATEGORIES if qs[c])))]
@@ -257,21 +273,24 @@ def iter_questions(seed: int, *, category: str | None = None,
         yield scene, cat, question, answer
 
 
-def iter_conversations(seed: int) -> Iterator[tuple[Scene, list[tuple[str, str]]]]:
+def iter_conversations(seed: int, *, side_range: tuple[int, int] | None = None,
+                       shape_sides: tuple[int, int] | None = None) -> Iterator[tuple[Scene, list[tuple[str, str]]]]:
     """An endless stream of ``(scene, qas)``: every unambiguous question about each fresh scene,
     in a random order (the training recipe asks them all in one multi-turn conversation, so one
-    pass through the vision tower teaches several answers). Deterministic from ``seed``."""
+    pass through the vision tower teaches several answers). Deterministic from ``seed``;
+    ``side_range`` and ``shape_sides`` as in :func:`random_scene`."""
     rng = np.random.default_rng(seed)
     while True:
-        scene = random_scene(rng)
+        scene = random_scene(rng, side_range=side_range, shape_sides=shape_sides)
         qas = [qa for cat in CATEGORIES for qa in questions(scene)[cat]]
         yield scene, [qas[i] for i in rng.permutation(len(qas))]
 
 
-def iter_examples(seed: int, *, category: str | None = None,
-                  side_range: tuple[int, int] | None = None) -> Iterator[Example]:
+def iter_examples(seed: int, *, category: str | None = None, side_range: tuple[int, int] | None = None,
+                  shape_sides: tuple[int, int] | None = None) -> Iterator[Example]:
     """:func:`iter_questions` with the images rendered: an endless stream of :class:`Example`."""
-    for scene, cat, question, answer in iter_questions(seed, category=category, side_range=side_range):
+    for scene, cat, question, answer in iter_questions(seed, category=category, side_range=side_range,
+                                                       shape_sides=shape_sides):
         yield Example(render(scene), question, answer, cat, scene)
 
 
@@ -285,7 +304,8 @@ def tokenizer_corpus() -> list[str]:
     return lines * 2 + answers * 4
 
 
-def make_examples(n: int, seed: int, *, category: str | None = None,
-                  side_range: tuple[int, int] | None = None) -> list[Example]:
-    """The first ``n`` examples of :func:`iter_examples` ``(seed, category=category, side_range=...)``."""
-    return list(itertools.islice(iter_examples(seed, category=category, side_range=side_range), n))
+def make_examples(n: int, seed: int, *, category: str | None = None, side_range: tuple[int, int] | None = None,
+                  shape_sides: tuple[int, int] | None = None) -> list[Example]:
+    """The first ``n`` examples of :func:`iter_examples` ``(seed, category=..., side_range=..., shape_sides=...)``."""
+    return list(itertools.islice(iter_examples(seed, category=category, side_range=side_range,
+                                               shape_sides=shape_sides), n))

@@ -28,7 +28,13 @@ Validation asks one question per image, as inference does. What mattered, measur
 The tokenizer, chat template and processor are those of :mod:`mmzoo.fixtures`. Everything is
 seeded: the same config gives the same data streams and initial weights.
 
-Run (about 16 minutes on 2 CPU cores; writes mmzoo/assets/qwen2_vl_shapes)::
+Scenes are drawn at any width and height from 32 to 224 px (``data`` in the config); the
+processor rounds each side to whole 28-px cells, and the probe's targets follow its grid. Trained
+on the first demo's 16 grid sizes alone, the model got 596/600 held-out answers right at sides
+of 48-168 px; trained on any size (and for 4500 rather than 1500 steps), 600/600
+(``recipes/eval_demo.py``).
+
+Run (about 48 minutes on 2 CPU cores; writes mmzoo/assets/qwen2_vl_shapes)::
 
     python recipes/train_demo.py
     python recipes/train_demo.py vision.steps=300 steps=200 output=/tmp/demo   # a quick, weaker one elsewhere

@@ -89,6 +89,23 @@ def test_held_out_accuracy(answers, held_out):
         assert acc[cat] >= floor, (backend, cat, acc)
 
 
+def test_held_out_accuracy_at_any_size():
+    """The same floors on scenes of any size and aspect ratio in the trained range (sides 32-224
+    px, shapes 18-52 px; the processor rounds each side to whole 28-px cells), through the eager
+    executor (exact shapes: no buckets to size)."""
+    held = [ex for i, cat in enumerate(shapes.CATEGORIES)
+            for ex in shapes.make_examples(50, shapes.HELD_OUT_SEED + 10 + i, category=cat, side_range=(32, 224),
+                                           shape_sides=(18, 52))]
+    assert len({ex.image.size for ex in held}) > 100
+    engine = mmzoo.load(model="qwen2_vl", executor="eager", max_model_len=128, max_batch=8)
+    results = engine.generate([{"prompt": ex.question, "images": [ex.image], **GEN} for ex in held])
+    assert all(r.error is None for r in results), [r.error for r in results if r.error]
+    acc = _accuracy([r.text for r in results], held)
+    print(f"\nheld-out accuracy at sides 32-224 px, executor=eager: {acc}")
+    for cat, floor in MIN_ACCURACY.items():
+        assert acc[cat] >= floor, (cat, acc)
+
+
 def test_embeds_mode_gives_the_same_answers(answers, held_out):
     """Encode each image first, then answer from image_embeds + image_grid_thw: the same text."""
     _, engine, texts = answers
@@ -208,8 +225,35 @@ def test_cell_targets_label_the_cells_of_each_shape(mode):
         shapes.cell_targets(shapes.Scene(60, 56, (255, 255, 255), ()), 28)
 
 
+def test_cell_targets_follow_the_processors_resize(tmp_path):
+    """Off the grid the processor resizes each image to whole 28-px cells (up to its pixel
+    bounds); the probe's labels are on that grid: each shape's center lands in the cell where
+    the resized image has it, and "cover" labels the cells its resized pixels fill."""
+    from mmzoo.fixtures import qwen2_vl_config, save_processor, train_tokenizer
+
+    tok = train_tokenizer(768, corpus=shapes.tokenizer_corpus())
+    processor = save_processor(tmp_path, tok, qwen2_vl_config(tok), min_pixels=3136, max_pixels=19600,
+                               default_system=None)
+    scenes = [scene for scene, _ in itertools.islice(shapes.iter_conversations(31, side_range=(32, 224)), 40)]
+    grids = processor.image_processor(images=[shapes.render(s) for s in scenes])["image_grid_thw"]
+    resized = 0
+    for scene, (_, h, w) in zip(scenes, np.asarray(grids).tolist()):
+        rows, cols = h // 2, w // 2
+        resized += (rows * 28, cols * 28) != (scene.height, scene.width)
+        kinds, _ = shapes.cell_targets(scene, 28, mode="center", grid=(rows, cols))
+        centers = {(int(s.cy * rows * 28 / scene.height) // 28, int(s.cx * cols * 28 / scene.width) // 28): s
+                   for s in scene.shapes}
+        assert kinds.shape == (rows, cols)
+        if len(centers) == len(scene.shapes):
+            assert {(r, c): kinds[r, c] for r, c in centers} == {rc: 1 + shapes.SHAPES.index(s.kind)
+                                                                for rc, s in centers.items()}
+        cover, _ = shapes.cell_targets(scene, 28, mode="cover", grid=(rows, cols))
+        assert cover.shape == (rows, cols) and (cover > 0).sum() >= 1
+    assert resized > 30  # most sizes are off the 28-px grid, or past the area bounds
+
+
 def test_eval_recipe_reports_accuracy_per_category_and_aspect(tmp_path):
-    """recipes/eval_demo.py on 24 scenes off the training grid: sizes drawn in the range, every
+    """recipes/eval_demo.py on 24 scenes of any size in its range: sizes drawn in the range, every
     figure reported, the wrong answers listed (no accuracy asserted: that is the recipe's output)."""
     import json
     import os
@@ -223,10 +267,12 @@ def test_eval_recipe_reports_accuracy_per_category_and_aspect(tmp_path):
                        timeout=300)
     assert p.returncode == 0, p.stderr
     res = json.loads(out.read_text())
-    assert res["counts"]["all"][1] == 24 and res["side_range"] == [48, 168]
+    assert res["counts"]["all"][1] == 24 and res["side_range"] == [32, 224] and res["shape_sides"] == [18, 52]
     assert {k for k in res["accuracy"] if k.startswith("category")} <= {f"category {c}" for c in shapes.CATEGORIES}
     assert sum(n for k, (_, n) in res["counts"].items() if k.startswith("aspect")) == 24
     assert len(res["wrong"]) == 24 - res["counts"]["all"][0]
-    sized = shapes.make_examples(50, seed=9, side_range=(48, 168))
-    assert all(48 <= s <= 168 for ex in sized for s in ex.image.size)
-    assert len({ex.image.size for ex in sized}) > 20  # off the 4 x 4 grid of training sizes
+    sized = shapes.make_examples(50, seed=9, side_range=(32, 224), shape_sides=(18, 52))
+    assert all(32 <= s <= 224 for ex in sized for s in ex.image.size)
+    assert len({ex.image.size for ex in sized}) > 20  # off the 4 x 4 grid of the first demo's sizes
+    assert all(18 <= s.side <= 52 for ex in sized for s in ex.scene.shapes)
+    assert min(s.side for ex in sized for s in ex.scene.shapes) < 20 < 44 < max(s.side for ex in sized for s in ex.scene.shapes)

@@ -3,7 +3,9 @@
 A scene is one to three non-overlapping flat shapes (:data:`SHAPES`) in :data:`COLORS` on a light
 background, at one of :data:`SIZES` x :data:`SIZES` pixels (side ratios from 2:5 to 5:2). Every
 size is a multiple of 28 (patch 14 x merge 2) within the demo processor's pixel bounds, so the
-Qwen2-VL processor feeds the pixels to the ViT without resampling. Questions are asked only where
+Qwen2-VL processor feeds the pixels to the ViT without resampling; ``side_range`` draws any width
+and height instead (the embedded model trained on 32-224 px, with ``shape_sides`` 18-52 px, and the
+processor rounding each side to whole 28-px cells). Questions are asked only where
 the answer is unique: "What shape is this?" only of a single shape, "What color is the square?"
 only when there is exactly one square. Everything is drawn from one ``numpy.random.Generator``,
 so a seed fixes the data; the training recipe and the tests use different seeds.

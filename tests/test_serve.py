@@ -12,7 +12,6 @@ import concurrent.futures
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,22 +23,17 @@ import openai
 import pytest
 
 import mmzoo
+from mmzoo.serve import free_port
 
 XLA_SMALL = ["executor=xla", "executor.max_model_len=128", "executor.min_prefill=64", "executor.min_encoder_rows=64",
              "executor.max_encoder_rows=64", "executor.max_batch=4", "executor.progress=false"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
     """A ``python -m mmzoo.serve`` process on a free loopback port."""
 
     def __init__(self, ckpt: Path, media_dir: Path, *overrides: str):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mmzoo.serve", f"checkpoint={ckpt}", f"port={self.port}", f"media_dir={media_dir}",

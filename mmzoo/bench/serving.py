@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import socket
 import threading
 import time
 
@@ -23,12 +22,6 @@ import numpy as np
 from mmzoo.bench.runner import Run
 from mmzoo.bench.workload import Family, say
 from mmzoo.errors import MmzooError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _data_url(item, fam: Family, rate: int) -> dict:
@@ -50,9 +43,9 @@ def run_server(engine, reqs: list[dict], fam: Family, *, concurrency: int, reque
     """``reqs`` through an in-process ``mmzoo.serve`` on ``engine``; the engine is free again after."""
     import uvicorn
 
-    from mmzoo.serve import create_app
+    from mmzoo.serve import create_app, free_port
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine, served_model_name="bench"), host="127.0.0.1",
                                            port=port, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, name="mmzoo-bench-server", daemon=True)

@@ -381,7 +381,7 @@ class Executor:
             run.add(p, index=i)
         while run.busy:
             if stop is not None and stop.draining:
-                run.sched.waiting.clear()
+                run.drain()
                 if stop.expired or not run.sched.running:
                     break
             run.step()
@@ -453,6 +453,13 @@ class Generation:
         seq.result.finish_reason = reason
         seq.result.text = self.decode_text(seq.result.token_ids)
         self._done(seq)
+
+    def drain(self) -> list[Sequence]:
+        """Admit nothing more: the waiting sequences leave the queue (returned, not finished); the
+        running ones go on."""
+        waiting = list(self.sched.waiting)
+        self.sched.waiting.clear()
+        return waiting
 
     def _done(self, seq: Sequence) -> None:
         r = seq.result

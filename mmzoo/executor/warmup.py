@@ -46,9 +46,10 @@ def plan(executor, towers: list[str]) -> list[Graph]:
 def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     """The graphs a run of ``prepared`` can use, in :func:`plan`'s order: each media call's encode
     (or embeddings) bucket; with ``generate``, the prefill bucket of every run of prompts one step
-    can pack, with its requests' head, and every decode KV bucket between the shortest prompt's first step and the longest
-    sequence's last, with the heads the requests sample with (a batch is greedy only when all its
-    rows are). A request whose shapes fit no bucket adds nothing: it fails alone when it runs."""
+    can pack, with its requests' head, and every decode KV bucket between the shortest prompt's
+    first step and the longest sequence's last, with the heads the requests sample with (a batch
+    is greedy only when all its rows are). A request whose shapes fit no bucket adds nothing: it
+    fails alone when it runs."""
     from mmzoo.buckets import round_up
     from mmzoo.errors import MmzooError
 

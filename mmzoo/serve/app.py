@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import socket
 import sys
 import threading
 import time
@@ -328,6 +329,13 @@ async def _collect(gen) -> tuple[str, tuple]:
 
 
 # ---------------------------------------------------------------------------------------- CLI
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the OS picks it), for a server started next."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
 
 def _server_class():
     import uvicorn

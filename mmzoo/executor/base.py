@@ -162,24 +162,30 @@ class Executor:
 
     # -- the steps, from typed host inputs ---------------------------------------------------
     @torch.no_grad()
+    def _encode_key(self, item: TowerInput) -> tuple[tuple, int]:
+        """The encode step's key (its kind and static shape) and padded input rows for ``item``."""
+        if item.embeds is not None:
+            rows = self.encoder_rows("embeds", item.embeds.shape[0])  # the buffer write depends only on rows
+            return ("embeds", rows), rows
+        rows = self.encoder_rows(item.tower, round_up(item.rows, item.row_multiple))
+        return ("encode", item.tower, rows, tuple(sorted(item.inputs))), rows
+
     def encode(self, item: TowerInput, offset: int = 0) -> int:
         """Run one tower (or take its precomputed embeddings) and write rows at ``offset`` of the
         media buffer; returns the number of rows written (real and padding)."""
+        key, rows = self._encode_key(item)
         if item.embeds is not None:
             emb = torch.as_tensor(item.embeds)
-            rows = self.encoder_rows("embeds", emb.shape[0])  # the buffer write depends only on rows
             padded = torch.zeros(rows, emb.shape[1], dtype=self.dtype)
             padded[: emb.shape[0]] = emb.to(self.dtype)
-            key, tower, names, tensors = ("embeds", rows), None, [], [padded.to(self.device())]
+            tower, names, tensors = None, [], [padded.to(self.device())]
         else:
-            rows = self.encoder_rows(item.tower, round_up(item.rows, item.row_multiple))
             tower, names, tensors = item.tower, sorted(item.inputs), []
             for name in names:
                 arr = item.inputs[name]
                 padded = np.full((rows,) + arr.shape[1:], item.pad.get(name, 0), dtype=arr.dtype)
                 padded[: arr.shape[0]] = arr
                 tensors.append(self._tensor(padded, self.dtype if arr.dtype.kind == "f" else torch.long))
-            key = ("encode", item.tower, rows, tuple(names))
         n = self._encoded_rows.get(key)  # known from the step's first (traced) call
         if n is not None:
             self._check_media_rows(item, offset, n)
@@ -210,10 +216,10 @@ class Executor:
     def media_rows(self, item: TowerInput) -> int:
         """The media-buffer rows :meth:`encode` writes for ``item`` (real and padding): known once its
         step has run (at warmup), else the tower's output rows scaled to the padded input rows."""
+        key, rows = self._encode_key(item)
         if item.embeds is not None:
-            return self.encoder_rows("embeds", item.embeds.shape[0])
-        rows = self.encoder_rows(item.tower, round_up(item.rows, item.row_multiple))
-        known = self._encoded_rows.get(("encode", item.tower, rows, tuple(sorted(item.inputs))))
+            return rows
+        known = self._encoded_rows.get(key)
         return known if known is not None else -(-rows * item.num_embeds // max(item.rows, 1))
 
     def prefill_budget(self) -> int:
@@ -299,13 +305,12 @@ class Executor:
     def prompt_logits(self, prepared: Prepared) -> np.ndarray:
         """``[n, vocab]`` float32 logits at every prompt position (no cache; for scoring and tests)."""
         n = len(prepared.input_ids)
-        s = self.prefill_len(n)
         index, _ = self._encode_prompt_media(prepared, 0)
-        ids, pos, mm = np.zeros(s, np.int64), np.zeros((prepared.positions.shape[0], s), np.int64), np.full(s, -1)
-        ids[:n], pos[:, :n], mm[:n] = prepared.input_ids, prepared.positions, index
+        p = PrefillInputs.pack(self.prefill_len(n), 1, self.max_model_len,
+                               [(prepared.input_ids, prepared.positions, index, 0)])
         self.step_begin()
-        logits = self.model(self._tensor(ids[None]), self._tensor(pos[:, None]), mm_embeds=self.media,
-                            mm_index=self._tensor(mm[None], torch.long))
+        logits = self.model(self._tensor(p.input_ids[None]), self._tensor(p.positions[:, None]), mm_embeds=self.media,
+                            mm_index=self._tensor(p.mm_index[None]))
         self.step_done()
         return logits[0].cpu().numpy()[:n]
 
@@ -454,12 +459,10 @@ class Generation:
         seq.result.text = self.decode_text(seq.result.token_ids)
         self._done(seq)
 
-    def drain(self) -> list[Sequence]:
-        """Admit nothing more: the waiting sequences leave the queue (returned, not finished); the
-        running ones go on."""
-        waiting = list(self.sched.waiting)
+    def drain(self) -> None:
+        """Admit nothing more: the waiting sequences leave the queue (not finished); the running
+        ones go on."""
         self.sched.waiting.clear()
-        return waiting
 
     def _done(self, seq: Sequence) -> None:
         r = seq.result

@@ -17,9 +17,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/python -m mmzoo.infer model=qwen2_vl attention=pallas
 
-# the test suite (CI runs this)
+# the test suite (CI runs this): two workers, a test file each at a time (a file's module fixtures, such
+# as test_sharding's SPMD subprocess, run once); on 2 cores this takes ~10 min against ~13 in one process
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV)

@@ -161,7 +161,6 @@ class Executor:
         return torch.as_tensor(np.ascontiguousarray(array), dtype=dtype).to(self.device())
 
     # -- the steps, from typed host inputs ---------------------------------------------------
-    @torch.no_grad()
     def _encode_key(self, item: TowerInput) -> tuple[tuple, int]:
         """The encode step's key (its kind and static shape) and padded input rows for ``item``."""
         if item.embeds is not None:
@@ -170,6 +169,7 @@ class Executor:
         rows = self.encoder_rows(item.tower, round_up(item.rows, item.row_multiple))
         return ("encode", item.tower, rows, tuple(sorted(item.inputs))), rows
 
+    @torch.no_grad()
     def encode(self, item: TowerInput, offset: int = 0) -> int:
         """Run one tower (or take its precomputed embeddings) and write rows at ``offset`` of the
         media buffer; returns the number of rows written (real and padding)."""
@@ -284,7 +284,19 @@ class Executor:
         if not packed:
             return None, failed
         s = self.prefill_len(sum(len(ids) for ids, *_ in packed))
-        return PrefillInputs.pack(s, self.max_batch, self.max_model_len, packed), failed
+        inputs = PrefillInputs.pack(s, self.max_batch, self.max_model_len, packed)
+        inputs.window = self.prefill_window(s, max(len(ids) for ids, *_ in packed))
+        return inputs, failed
+
+    def window_of(self, s: int) -> int | None:
+        """The attention window of prefill bucket ``s``'s windowed graph, or None: it has none."""
+        return None
+
+    def prefill_window(self, s: int, longest: int) -> int | None:
+        """The attention window of a packed prefill step of bucket ``s`` whose longest prompt has
+        ``longest`` tokens (:attr:`PrefillInputs.window`), or None: attend over the whole row."""
+        w = self.window_of(s)
+        return w if w is not None and longest <= w else None
 
     @torch.no_grad()
     def prefill(self, inputs: PrefillInputs, sampling: Sampling | None = None) -> torch.Tensor:
@@ -293,12 +305,14 @@ class Executor:
         rows = len(inputs.slots)
         sampling = sampling or Sampling.greedy_rows(rows)
         floats = [] if sampling.greedy else [self._tensor(sampling.floats())]
+        window = inputs.window
 
         def step(*args):
-            return (prefill_step(self.model, self.cache, *args),)
+            return (prefill_step(self.model, self.cache, window, *args),)
 
         args = [self._tensor(inputs.token_rows()), self._tensor(inputs.prompt_rows(sampling.top_k)), self.media]
-        (token,) = self.run_step(("prefill", len(inputs.input_ids), sampling.greedy), step, args + floats, "cache")
+        (token,) = self.run_step(("prefill", len(inputs.input_ids), window, sampling.greedy), step, args + floats,
+                                 "cache")
         return token
 
     @torch.no_grad()

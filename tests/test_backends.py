@@ -113,6 +113,24 @@ def test_backends_agree(backends, case, device):
         torch.testing.assert_close(outs[a], outs[b], atol=ATOL, rtol=0, msg=lambda m: f"{a} vs {b}: {m}")
 
 
+@pytest.mark.parametrize("device", ["cpu", "xla"])
+def test_windowed_equals_whole_row(backends, device):
+    """Prompts of at most ``window`` tokens packed in one row (one crossing a chunk boundary,
+    padding in a segment of its own): the windowed form sees the same keys as causal attention
+    over the whole row with segment ids, in every backend."""
+    lengths, window = [5, 14, 16, 3, 9], 16  # 47 tokens (two prompts cross a window), 17 of padding: 4 windows
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((64 - sum(lengths),), 5)])
+    q, k, v, _ = make_inputs(Case("packed", b=1, hq=4, hkv=2, sq=64, skv=64, d=64, causal=True), seed=2)
+    kw = {"scale": 0.125, "q_segment_ids": seg[None], "kv_segment_ids": seg[None]}
+    dq, dk, dv, dkw = to_device(q, k, v, kw, torch_xla.device() if device == "xla" else "cpu")
+    ref = EagerAttention()(q, k, v, causal=True, **kw)
+    for name, fn in backends.items():
+        out = fn.windowed(dq, dk, dv, window=window, **dkw).cpu()
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(ValueError, match="a window of 24 needs one packed row whose length is a multiple of it"):
+        backends["sdpa"].windowed(q, k, v, window=24, **kw)
+
+
 def test_small_blocks_match_eager():
     """Many q and kv tiles, padding in both and skipped causal blocks, at a small size."""
     case = Case("tiles", b=2, hq=4, hkv=2, sq=300, skv=300, d=64, causal=True, segments="self",

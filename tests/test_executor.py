@@ -253,7 +253,8 @@ def test_steps_replay_their_compiled_graphs(xla_engine, qwen2_vl_ckpt, image_fil
     assert kinds == {"encode", "embeds", "prefill", "decode"}, exe._replays.keys()
     assert {k for k in exe._replays if k[0] == "decode"} == {("decode", g, kv) for g in (True, False)
                                                              for kv in exe.decode_kv_buckets}
-    assert {k[1:] for k in exe._replays if k[0] == "prefill"} == {(s, g) for s in exe.prefill_buckets for g in (True, False)}
+    assert {k[1:] for k in exe._replays if k[0] == "prefill"} == {(s, None, g) for s in exe.prefill_buckets
+                                                              for g in (True, False)}  # no windows at 3 slots
     traced = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, on_recompile="error",
                         replay_steps=False, **SMALL)
     assert traced.executor._replays == {}
@@ -329,6 +330,43 @@ def test_prompts_admitted_together_share_one_prefill_step(xla_engine, image_file
     assert [r.token_ids for r in xla_engine.generate(reqs)] == alone
     assert counts == [2, 1]
     assert exe.compiled_graphs() == before
+
+
+def test_short_prompts_packed_attend_in_windows(xla_engine, qwen2_vl_ckpt, image_files, monkeypatch):
+    """``windowed_prefill``: with 8 slots the 512-token bucket has a graph attending in windows of
+    64 tokens; a step of prompts none longer than 64 takes it, a step holding a longer prompt the
+    whole-row graph; every prompt gets the tokens it gets alone (full attention, another engine),
+    with nothing compiled past the plan. With 4 slots (a window of s/4) there is none."""
+    kw = dict(executor="xla", attention="sdpa", max_model_len=512, prefill_buckets=[64, 512], progress=False)
+    engine = mmzoo.load(qwen2_vl_ckpt, max_batch=8, encoder_buckets={"vision": [64]}, warmup="needed",
+                        on_recompile="error", **kw)
+    exe = engine.executor
+    assert exe.windowed_prefill is True and exe.window_of(512) == 64 and exe.window_of(64) is None
+    short = [{"prompt": "what shape " * (1 + i), "images": image_files[:1 - min(i, 1)], "max_new_tokens": 3,
+              "ignore_eos": True} for i in range(4)]
+    long = short[:2] + [{"prompt": "what shape is this " * 10, "max_new_tokens": 3, "ignore_eos": True}]
+    lengths = [len(engine.prepare(Request(**r)).input_ids) for r in short + long[2:]]
+    assert max(lengths[:4]) <= 64 < lengths[4] and 64 < sum(lengths[:2] + lengths[4:]), lengths
+    windows, prefill = [], exe.prefill
+
+    def recording(inputs, *args, **kwargs):
+        if inputs.count:  # not warmup's
+            windows.append((inputs.count, inputs.window))
+        return prefill(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(exe, "prefill", recording)
+    for reqs, want in ((short, [(4, 64)]), (long, [(3, None)])):
+        alone = [xla_engine.generate([r])[0].token_ids for r in reqs]
+        windows.clear()
+        assert [r.token_ids for r in engine.generate(reqs)] == alone
+        assert windows == want
+    assert sorted(str(g) for g in exe.warm if g.kind == "prefill") == [
+        "prefill 512 w64/greedy", "prefill 512/greedy", "prefill 64/greedy"]
+    assert mmzoo.load(qwen2_vl_ckpt, max_batch=4, warmup=False, **kw).executor.window_of(512) is None
+    off = mmzoo.load(qwen2_vl_ckpt, max_batch=8, windowed_prefill=False, warmup=False, **kw)
+    assert off.executor.window_of(512) is None
+    pallas = mmzoo.load(qwen2_vl_ckpt, max_batch=8, warmup=False, **{**kw, "attention": "pallas"})
+    assert pallas.executor.window_of(512) is None  # its kernel skips the other prompts' blocks itself
 
 
 def test_packed_prefill_inputs_layout():

@@ -22,6 +22,10 @@ class AttentionBackend:
     # stops at the last block a sequence reaches): an executor then gains nothing by handing it a
     # shorter, bucketed view of the KV cache, and hands it the whole cache
     skips_past_length: bool = False
+    # whether the backend skips the blocks of keys its mask hides entirely (Pallas' flash kernel
+    # does, per segment): prompts packed in one row then cost it no scores across prompts, and an
+    # executor gains nothing by cutting the row into windows (:meth:`windowed`)
+    skips_masked_blocks: bool = False
 
     def check_shape(self, *, head_dim: int, num_heads: int, num_kv_heads: int) -> None:
         """Raise ``ValueError`` if this backend cannot run attention of this shape.
@@ -78,6 +82,45 @@ class AttentionBackend:
         self._mask_memo = (key, mask)
         return mask
 
+    def windowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: int,
+                 q_segment_ids: torch.Tensor, kv_segment_ids: torch.Tensor) -> torch.Tensor:
+        """Causal attention over prompts packed in one row (``q [1, hq, s, d]``, ``k, v [1, hkv, s, d]``,
+        segment ids ``[1, s]``), when no prompt is longer than ``window`` tokens: the same keys
+        visible as ``self(q, k, v, causal=True, q_segment_ids=..., kv_segment_ids=...)``, at
+        ``s * 2 * window`` scores instead of ``s * s``.
+
+        The row is cut into chunks of ``window`` queries (``s`` a multiple of it). A prompt of at
+        most ``window`` tokens that reaches into chunk ``j`` began in chunk ``j - 1`` or ``j``, so
+        chunk ``j`` attends to those two chunks only: the chunks become the batch of one call of
+        this backend, with the same segment and causal masking inside.
+        """
+        b, hq, s, d = q.shape
+        if b != 1 or s % window or k.shape[2] != s:
+            raise ValueError(f"{self.name} attention: a window of {window} needs one packed row whose length is "
+                             f"a multiple of it, got q{tuple(q.shape)} k{tuple(k.shape)}")
+        n = s // window
+        seg, kv_seg, positions = self._window_ids(q_segment_ids, kv_segment_ids, n, window)
+        qc = q.reshape(hq, n, window, d).transpose(0, 1)  # [n, hq, w, d]
+        out = self(qc, _two_chunks(k, n, window), _two_chunks(v, n, window), scale=scale, causal=True,
+                   q_segment_ids=seg, kv_segment_ids=kv_seg, q_positions=positions)
+        return out.transpose(0, 1).reshape(1, hq, s, out.shape[-1])
+
+    def _window_ids(self, q_segment_ids, kv_segment_ids, n: int, window: int):
+        """Per chunk: the queries' segment ids ``[n, w]``, the segment ids of the two chunks they
+        attend to ``[n, 2w]`` (before the first chunk: -1, no prompt's) and the queries' positions
+        in those ``2w`` keys. Built once per forward, like :meth:`folded_mask` (so its memo, keyed
+        on these tensors, hits in every layer)."""
+        memo = getattr(self, "_window_memo", None)
+        if memo is not None and memo[0] is q_segment_ids and memo[1] is kv_segment_ids and memo[2] == (n, window):
+            return memo[3]
+        seg = q_segment_ids.reshape(n, window)
+        cur = kv_segment_ids.reshape(n, window)
+        prev = torch.cat([torch.full_like(cur[:1], -1), cur[:-1]])
+        positions = (torch.arange(window, device=seg.device) + window).expand(n, window)
+        ids = (seg, torch.cat([prev, cur], dim=1), positions)
+        self._window_memo = (q_segment_ids, kv_segment_ids, (n, window), ids)
+        return ids
+
     @staticmethod
     def _folded(b, sq, skv, groups, device, causal, q_segment_ids, kv_segment_ids, q_positions, kv_lengths):
         mask = visibility_mask(b, sq, skv, device, causal=causal, q_segment_ids=q_segment_ids,
@@ -85,6 +128,14 @@ class AttentionBackend:
         if mask is not None and groups > 1:
             mask = mask.unsqueeze(2).expand(b, 1, groups, sq, skv).reshape(b, 1, groups * sq, skv)
         return mask
+
+
+def _two_chunks(x: torch.Tensor, n: int, window: int) -> torch.Tensor:
+    """``[1, h, n * w, d]`` -> ``[n, h, 2w, d]``: chunk ``j - 1`` (zeros before the first) then chunk ``j``."""
+    h, d = x.shape[1], x.shape[3]
+    cur = x.reshape(h, n, window, d)
+    prev = torch.cat([torch.zeros_like(cur[:, :1]), cur[:, :-1]], dim=1)
+    return torch.cat([prev, cur], dim=2).transpose(0, 1)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -70,6 +70,7 @@ class PallasAttention(AttentionBackend):
 
     name = "pallas"
     skips_past_length = True
+    skips_masked_blocks = True
 
     def __init__(self, *, interpret: bool | None = None, block_q: int = 256, block_kv: int = 512,
                  decode_max_q: int = 16, vmem_limit_bytes: int = 32 * _MiB,

@@ -61,6 +61,10 @@ class PrefillInputs:
     graph per bucket serves one prompt or several; the ``rows`` per-prompt entries are padded by
     repeating the first prompt's (``count`` are real).
 
+    With ``window``, the step's attention runs in windows of that many tokens
+    (:meth:`~mmzoo.backends._base.AttentionBackend.windowed`): a graph of its own, chosen when no
+    prompt is longer, at a fraction of the scores.
+
     Padding tokens (past the prompts) form their own segment and write their keys at the last
     cache position of the first prompt's slot, which no prompt reaches (a prompt leaves at least
     one position to generate into) and which a decode step writes before it is ever attended to.
@@ -75,6 +79,7 @@ class PrefillInputs:
     slots: np.ndarray  # [rows] the slot each prompt fills (reset first)
     last: np.ndarray  # [rows] each prompt's last token: its first new token is sampled there
     count: int  # real prompts
+    window: int | None = None  # attention in windows of this many tokens (no prompt longer; the executor's choice)
 
     @classmethod
     def zeros(cls, s: int, axes: int, rows: int, max_len: int) -> "PrefillInputs":
@@ -153,19 +158,21 @@ def encode_step(model, media: torch.Tensor, tower: str | None, names: list[str],
     return emb.shape[0]
 
 
-def prefill_step(model, cache, tokens: torch.Tensor, prompts: torch.Tensor, media: torch.Tensor,
+def prefill_step(model, cache, window: int | None, tokens: torch.Tensor, prompts: torch.Tensor, media: torch.Tensor,
                  *floats: torch.Tensor) -> torch.Tensor:
     """Packed prompts (:class:`PrefillInputs`): ``tokens`` is its :meth:`~PrefillInputs.token_rows`
-    and ``prompts`` its :meth:`~PrefillInputs.prompt_rows` on the device. Merges token and media
-    embeddings, resets each prompt's slot (nothing of its previous sequence stays) and writes the
-    prompt's keys and values there, each prompt attending to itself only; picks every prompt's
-    first token from its last position -> ``[rows]``."""
+    and ``prompts`` its :meth:`~PrefillInputs.prompt_rows` on the device, ``window`` its
+    :attr:`~PrefillInputs.window`. Merges token and media embeddings, resets each prompt's slot
+    (nothing of its previous sequence stays) and writes the prompt's keys and values there, each
+    prompt attending to itself only; picks every prompt's first token from its last position ->
+    ``[rows]``."""
     ids, index, segment, write_slot, write_pos = (tokens[PREFILL_TOKEN_ROWS.index(n)][None] for n in PREFILL_TOKEN_ROWS)
     positions = tokens[len(PREFILL_TOKEN_ROWS):, None]  # [axes, 1, s]
     slots, last, top_k = (prompts[PREFILL_PROMPT_ROWS.index(n)] for n in PREFILL_PROMPT_ROWS)
     view = cache.prefill(slots, write_pos, token_slots=write_slot)
     logits = model(ids, positions, mm_embeds=media, mm_index=index, cache=view,
-                   attn_kwargs={"q_segment_ids": segment, "kv_segment_ids": segment}, logits_index=last[None])
+                   attn_kwargs={"q_segment_ids": segment, "kv_segment_ids": segment, "window": window},
+                   logits_index=last[None])
     return _head(logits[0], top_k, floats)
 
 

@@ -3,7 +3,8 @@
 Two plans. :func:`plan` enumerates every graph of the executor's buckets (``warmup=all``: a
 server, the benchmark, where requests come later): each tower at each input-row bucket, the
 precomputed-embeddings write at each row bucket, the prompt at each prefill bucket and the decode
-step at each KV-length bucket, the last two with a greedy and a sampling head. :func:`needed` takes
+step at each KV-length bucket, the last two with a greedy and a sampling head (and a prefill
+bucket's windowed graph, where it has one). :func:`needed` takes
 prepared requests and returns only the graphs they can hit (``warmup=needed``: a one-shot CLI run
 or a requests file, known up front). :func:`run` compiles a plan on all-padding typed inputs.
 """
@@ -21,16 +22,19 @@ from mmzoo.types import TowerInput
 
 @dataclass(frozen=True)
 class Graph:
-    """One compiled step: its kind (encode, embeds, prefill, decode), tower, bucket and head."""
+    """One compiled step: its kind (encode, embeds, prefill, decode), tower, bucket, head, and a
+    prefill's attention window (:attr:`PrefillInputs.window`)."""
 
     kind: str
     size: int
     tower: str | None = None
     greedy: bool = True
+    window: int | None = None
 
     def __str__(self) -> str:
         head = "" if self.kind in ("encode", "embeds") else "/greedy" if self.greedy else "/sample"
-        return f"{self.kind}{' ' + self.tower if self.tower else ''} {self.size}{head}"
+        window = f" w{self.window}" if self.window else ""
+        return f"{self.kind}{' ' + self.tower if self.tower else ''} {self.size}{window}{head}"
 
 
 def plan(executor, towers: list[str]) -> list[Graph]:
@@ -38,7 +42,8 @@ def plan(executor, towers: list[str]) -> list[Graph]:
     build their dummy inputs)."""
     out = [Graph("encode", rows, tower) for tower in towers for rows in executor.tower_buckets(tower)]
     out += [Graph("embeds", rows) for rows in executor.default_encoder_buckets]
-    out += [Graph("prefill", s, greedy=g) for s in executor.prefill_buckets for g in (True, False)]
+    out += [Graph("prefill", s, greedy=g, window=w) for s in executor.prefill_buckets
+            for w in dict.fromkeys([None, executor.window_of(s)]) for g in (True, False)]
     out += [Graph("decode", kv, greedy=g) for kv in executor.decode_kv_buckets for g in (True, False)]
     return out
 
@@ -84,12 +89,13 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     # as slots free up) within the token budget
     budget = executor.prefill_budget()
     for i in range(len(prompts)):
-        tokens, greedy = 0, True
+        tokens, longest, greedy = 0, 0, True
         for n, g in prompts[i:i + executor.max_batch]:
-            tokens, greedy = tokens + n, greedy and g
+            tokens, longest, greedy = tokens + n, max(longest, n), greedy and g
             if tokens > budget:
                 break
-            out.add(Graph("prefill", executor.prefill_len(tokens), greedy=greedy))
+            s = executor.prefill_len(tokens)
+            out.add(Graph("prefill", s, greedy=greedy, window=executor.prefill_window(s, longest)))
     if lo is not None:
         buckets = executor.decode_kv_buckets
         first, last = executor.decode_kv_len(lo), executor.decode_kv_len(hi)
@@ -97,7 +103,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
         for kv in (b for b in buckets if first <= b <= last):
             out |= {Graph("decode", kv, greedy=g) for g in heads | {True}}
     order = {"encode": 0, "embeds": 1, "prefill": 2, "decode": 3}
-    return sorted(out, key=lambda g: (order[g.kind], g.tower or "", g.size, not g.greedy))
+    return sorted(out, key=lambda g: (order[g.kind], g.tower or "", g.size, g.window or 0, not g.greedy))
 
 
 def describe(graphs: list[Graph]) -> str:
@@ -129,8 +135,9 @@ def run(executor, graphs: list[Graph], dummy_media: Callable[[str, int], TowerIn
             executor.encode(TowerInput(tower="embeds", inputs={}, num_embeds=g.size,
                                        embeds=torch.zeros(g.size, executor.model.lm.dim)), 0)
         elif g.kind == "prefill":
-            out = executor.prefill(PrefillInputs.zeros(g.size, axes, executor.max_batch, executor.max_model_len),
-                                   _sampling(executor.max_batch, g.greedy))
+            inputs = PrefillInputs.zeros(g.size, axes, executor.max_batch, executor.max_model_len)
+            inputs.window = g.window
+            out = executor.prefill(inputs, _sampling(executor.max_batch, g.greedy))
         else:
             out = executor.decode(DecodeInputs.zeros(executor.max_batch, g.size), _sampling(executor.max_batch, g.greedy))
         executor.step_done()

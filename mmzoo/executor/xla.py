@@ -71,6 +71,14 @@ class XLAExecutor(Executor):
             ``q @ k^T`` reads them in place (:class:`~mmzoo.lms.KVCache`); ``"auto"``: on the XLA
             CPU client without a mesh, when every LM attention backend is matmul-based (sdpa,
             eager; not Pallas, whose kernels read ``[len, head_dim]`` tiles).
+        windowed_prefill: give each prefill bucket ``s`` a second graph whose attention runs in
+            windows of ``w`` tokens, the bucket that holds ``s / max_batch`` (the share of an even
+            full step), where ``w <= s / 8`` divides ``s``; a step whose prompts are none longer
+            than ``w`` takes it (:meth:`~mmzoo.backends._base.AttentionBackend.windowed`:
+            ``s * 2w`` scores instead of ``s * s``, at most a quarter). With 4 slots (``w = s / 4``)
+            a 512-token step gained 11%, not worth a graph per bucket in every such server's
+            warmup. ``"auto"``: when every LM attention backend computes the scores its mask
+            hides (sdpa, eager; Pallas' kernel skips them).
         replay_steps: after warmup, run each step (encode, prefill, decode) as its compiled graph
             with new inputs instead of tracing it again on every call
             (:mod:`mmzoo.executor._replay`); ``"auto"``: without a device mesh.
@@ -86,7 +94,7 @@ class XLAExecutor(Executor):
                  min_decode_kv: int = 128, warmup: bool | str = "all", on_recompile: str = "warn",
                  compile_cache_dir: str | None = None, progress: bool = False, transpose_weights: bool | str = "auto",
                  fuse_projections: bool | str = "auto", transpose_keys: bool | str = "auto",
-                 replay_steps: bool | str = "auto"):
+                 replay_steps: bool | str = "auto", windowed_prefill: bool | str = "auto"):
         super().__init__(max_model_len=max_model_len, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
                          progress=progress)
         if on_recompile not in ("error", "warn", "ignore"):
@@ -113,6 +121,7 @@ class XLAExecutor(Executor):
         self.fuse_projections = _auto_or_bool("fuse_projections", fuse_projections)
         self.transpose_keys = _auto_or_bool("transpose_keys", transpose_keys)
         self.replay_steps = _auto_or_bool("replay_steps", replay_steps)
+        self.windowed_prefill = _auto_or_bool("windowed_prefill", windowed_prefill)
         self.replaying = False  # set by setup(): replay_steps resolved against the mesh
         self._replays: dict = {}  # step key (kind and static shape) -> ReplayedStep
         # the state tensors donated to the last two replayed steps: dropping a donated tensor waits
@@ -154,6 +163,9 @@ class XLAExecutor(Executor):
         self.decode_kv_buckets = self._kv_buckets or (
             [self.max_model_len] if skipping else doubling(min(self.min_decode_kv, self.max_model_len),
                                                            self.max_model_len))
+        if self.windowed_prefill == "auto":
+            self.windowed_prefill = not all(getattr(b, "skips_masked_blocks", False)
+                                            for b in self._lm_backends(self.model))
         if transpose:
             _layout.hold_linears_transposed(self.model)
             self.step_done()
@@ -231,6 +243,13 @@ class XLAExecutor(Executor):
 
     def prefill_budget(self) -> int:
         return min(self.max_prefill_tokens, self.prefill_buckets[-1])
+
+    def window_of(self, s: int) -> int | None:
+        """The window of prefill bucket ``s``'s windowed graph (``windowed_prefill``), or None."""
+        if self.windowed_prefill is not True:
+            return None
+        w = next((b for b in self.prefill_buckets if b * self.max_batch >= s), None)
+        return w if w is not None and 8 * w <= s and s % w == 0 else None
 
     def encoder_rows(self, tower: str, n: int) -> int:
         return pick(self.tower_buckets(tower), n, f"{tower} encoder input rows")

@@ -65,7 +65,9 @@ class Attention(nn.Module):
             cache: an object with ``update(layer_idx, k, v) -> (k, v)`` that stores the new keys
                 and values and returns the ones to attend to (see :mod:`mmzoo.lms.kv_cache`).
             attn_kwargs: masking arguments passed through to the backend
-                (``q_segment_ids``, ``kv_segment_ids``, ``q_positions``, ``kv_lengths``).
+                (``q_segment_ids``, ``kv_segment_ids``, ``q_positions``, ``kv_lengths``); with
+                ``window`` (prompts packed in a row, none longer than it), the backend's
+                :meth:`~mmzoo.backends._base.AttentionBackend.windowed` form.
         """
         b, s, _ = x.shape
         if self.qkv_proj is not None:
@@ -80,6 +82,13 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        out = self.attn_fn(q, k, v, scale=self.scale, causal=self.causal, **(attn_kwargs or {}))
+        kwargs = dict(attn_kwargs or {})
+        window = kwargs.pop("window", None)
+        if window:  # packed prompts of at most `window` tokens each (an executor's layout)
+            if not self.causal:
+                raise ValueError("attention: a window applies to causal attention over packed prompts")
+            out = self.attn_fn.windowed(q, k, v, scale=self.scale, window=window, **kwargs)
+        else:
+            out = self.attn_fn(q, k, v, scale=self.scale, causal=self.causal, **kwargs)
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # [b, s, hq * d]
         return self.o_proj(out)

@@ -84,6 +84,11 @@ class Executor:
         attends over; None: the whole cache."""
         return None
 
+    def decode_rows(self, n: int) -> int:
+        """The rows of a decode step whose highest running slot is ``n - 1``: it runs the first
+        that many slots (the scheduler fills the lowest free slot first); here all of them."""
+        return self.max_batch
+
     def max_media_rows(self) -> int:
         """Rows of the media buffer: every placeholder of the longest prompt, plus padding room."""
         return self.max_model_len
@@ -331,20 +336,21 @@ class Executor:
     @torch.no_grad()
     def decode(self, inputs: DecodeInputs, sampling: Sampling | None = None,
                prev: torch.Tensor | None = None) -> torch.Tensor:
-        """One token for every slot -> ``[slots]`` (on the device); ``prev`` is the previous step's
-        output, read by the ``use_prev`` slots."""
-        b = self.max_batch
+        """One token for each of the first ``len(inputs.token)`` slots -> ``[max_batch]`` (on the
+        device; the slots past those keep ``prev``'s); ``prev`` is the previous step's output,
+        read by the ``use_prev`` slots."""
+        b = len(inputs.token)
         sampling = sampling or Sampling.greedy_rows(b)
         rows = inputs.rows(sampling.top_k)
         floats = [] if sampling.greedy else [self._tensor(sampling.floats())]
         if prev is None:
-            prev = self._tensor(np.zeros(b, np.int64))
+            prev = self._tensor(np.zeros(self.max_batch, np.int64))
         kv_len = inputs.kv_len
 
         def step(prev, rows, *floats):
             return (decode_step(self.model, self.cache, kv_len, prev, rows, *floats),)
 
-        (tokens,) = self.run_step(("decode", sampling.greedy, kv_len), step,
+        (tokens,) = self.run_step(("decode", sampling.greedy, kv_len, b), step,
                                   [prev, self._tensor(rows)] + floats, "cache")
         return tokens
 
@@ -362,8 +368,9 @@ class Executor:
 
     def decode_inputs(self, seqs: dict[int, Sequence], from_prev: set[int] = frozenset()) -> DecodeInputs:
         """The decode step of the sequences in ``seqs`` (slot -> sequence); the ``from_prev`` slots
-        read their input token from the previous step's device output."""
-        inputs = DecodeInputs.zeros(self.max_batch, 1)  # unused slots: token 0 at position 0
+        read their input token from the previous step's device output. The step runs the first
+        :meth:`decode_rows` slots, enough for the highest of ``seqs``."""
+        inputs = DecodeInputs.zeros(self.decode_rows(max(seqs) + 1), 1)  # unused slots: token 0 at position 0
         for slot, seq in seqs.items():
             use_prev = slot in from_prev
             inputs.use_prev[slot], inputs.token[slot] = use_prev, 0 if use_prev else seq.last
@@ -510,8 +517,8 @@ class Generation:
         go = sched.to_decode(ahead)
         launched = None
         if go:
-            out = exe.decode(exe.decode_inputs(go, ahead & set(go)), exe.sampling_for(go, exe.max_batch),
-                             prev=inflight[0] if inflight else None)
+            inputs = exe.decode_inputs(go, ahead & set(go))
+            out = exe.decode(inputs, exe.sampling_for(go, len(inputs.token)), prev=inflight[0] if inflight else None)
             exe.step_done()
             for seq in go.values():
                 seq.length += 1

@@ -120,8 +120,8 @@ class PrefillInputs:
 
 @dataclass
 class DecodeInputs:
-    """One decode step over every KV-cache slot (host arrays, ``[slots]`` each); unused slots compute
-    garbage that is never read."""
+    """One decode step over the first ``rows`` KV-cache slots (host arrays, ``[rows]`` each: a
+    bucket holding every running slot); unused slots compute garbage that is never read."""
 
     use_prev: np.ndarray  # 1: the slot's input token is the previous step's device output (not yet read back)
     token: np.ndarray  # the input token otherwise
@@ -130,13 +130,13 @@ class DecodeInputs:
     kv_len: int  # the cache positions attended over (a bucket holding every sequence)
 
     @classmethod
-    def zeros(cls, slots: int, kv_len: int) -> "DecodeInputs":
-        """Every slot at the last position of ``kv_len`` (compiling that bucket at warmup)."""
-        z = np.zeros(slots, np.int64)
-        return cls(z, z.copy(), np.full(slots, kv_len - 1, np.int64), np.full(slots, kv_len - 1, np.int64), kv_len)
+    def zeros(cls, rows: int, kv_len: int) -> "DecodeInputs":
+        """``rows`` slots at the last position of ``kv_len`` (compiling that bucket at warmup)."""
+        z = np.zeros(rows, np.int64)
+        return cls(z, z.copy(), np.full(rows, kv_len - 1, np.int64), np.full(rows, kv_len - 1, np.int64), kv_len)
 
     def rows(self, top_k: np.ndarray) -> np.ndarray:
-        """``[5, slots]`` int64 in :data:`DECODE_ROWS` order (one host-to-device transfer)."""
+        """``[5, rows]`` int64 in :data:`DECODE_ROWS` order (one host-to-device transfer)."""
         return np.stack([self.use_prev, self.token, self.write, self.rope, top_k]).astype(np.int64)
 
 
@@ -177,13 +177,16 @@ def prefill_step(model, cache, window: int | None, tokens: torch.Tensor, prompts
 
 
 def decode_step(model, cache, kv_len: int, prev: torch.Tensor, rows: torch.Tensor, *floats: torch.Tensor) -> torch.Tensor:
-    """One token for every slot -> ``[slots]``; ``rows`` is :meth:`DecodeInputs.rows` on the device
-    and ``prev`` the previous step's output (the input token of the ``use_prev`` slots)."""
+    """One token for each of the first ``b`` slots, ``rows`` being :meth:`DecodeInputs.rows`
+    ``[5, b]`` on the device and ``prev`` the previous step's output ``[slots]`` (the input token
+    of the ``use_prev`` slots) -> ``[slots]``: the new tokens, then ``prev``'s past ``b`` (so every
+    step's output has one shape, whatever its rows)."""
     use_prev, token, write, rope, top_k = (rows[DECODE_ROWS.index(n)] for n in DECODE_ROWS)
     b = rows.shape[1]
     axes = model.lm.rotary.num_axes
-    tokens = torch.where(use_prev != 0, prev, token)[:, None]  # [b, 1]
+    tokens = torch.where(use_prev != 0, prev[:b], token)[:, None]  # [b, 1]
     positions = rope[None, :, None].expand(axes, b, 1)  # [axes, b, 1]
     logits = model(tokens, positions, cache=cache.decode(write[:, None], kv_len),
                    attn_kwargs={"q_positions": write[:, None]}, logits_index=torch.zeros_like(write))
-    return _head(logits, top_k, floats)
+    out = _head(logits, top_k, floats)
+    return out if b == prev.shape[0] else torch.cat([out, prev[b:]])

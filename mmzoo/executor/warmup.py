@@ -3,8 +3,8 @@
 Two plans. :func:`plan` enumerates every graph of the executor's buckets (``warmup=all``: a
 server, the benchmark, where requests come later): each tower at each input-row bucket, the
 precomputed-embeddings write at each row bucket, the prompt at each prefill bucket and the decode
-step at each KV-length bucket, the last two with a greedy and a sampling head (and a prefill
-bucket's windowed graph, where it has one). :func:`needed` takes
+step at each KV-length and row bucket, the last two with a greedy and a sampling head (and a
+prefill bucket's windowed graph, where it has one). :func:`needed` takes
 prepared requests and returns only the graphs they can hit (``warmup=needed``: a one-shot CLI run
 or a requests file, known up front). :func:`run` compiles a plan on all-padding typed inputs.
 """
@@ -22,18 +22,21 @@ from mmzoo.types import TowerInput
 
 @dataclass(frozen=True)
 class Graph:
-    """One compiled step: its kind (encode, embeds, prefill, decode), tower, bucket, head, and a
-    prefill's attention window (:attr:`PrefillInputs.window`)."""
+    """One compiled step: its kind (encode, embeds, prefill, decode), tower, bucket, head, a
+    prefill's attention window (:attr:`PrefillInputs.window`) and a decode step's rows."""
 
     kind: str
     size: int
     tower: str | None = None
     greedy: bool = True
     window: int | None = None
+    rows: int | None = None
 
     def __str__(self) -> str:
         head = "" if self.kind in ("encode", "embeds") else "/greedy" if self.greedy else "/sample"
         window = f" w{self.window}" if self.window else ""
+        if self.kind == "decode":
+            return f"decode b{self.rows}/kv{self.size}{head}"
         return f"{self.kind}{' ' + self.tower if self.tower else ''} {self.size}{window}{head}"
 
 
@@ -44,7 +47,8 @@ def plan(executor, towers: list[str]) -> list[Graph]:
     out += [Graph("embeds", rows) for rows in executor.default_encoder_buckets]
     out += [Graph("prefill", s, greedy=g, window=w) for s in executor.prefill_buckets
             for w in dict.fromkeys([None, executor.window_of(s)]) for g in (True, False)]
-    out += [Graph("decode", kv, greedy=g) for kv in executor.decode_kv_buckets for g in (True, False)]
+    out += [Graph("decode", kv, greedy=g, rows=b) for b in executor.decode_batch_buckets
+            for kv in executor.decode_kv_buckets for g in (True, False)]
     return out
 
 
@@ -99,11 +103,14 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     if lo is not None:
         buckets = executor.decode_kv_buckets
         first, last = executor.decode_kv_len(lo), executor.decode_kv_len(hi)
+        # the slots of the running sequences: the lowest free first, so below min(requests, max_batch),
+        # and the highest running one anywhere below that as sequences finish
+        slots = [b for b in executor.decode_batch_buckets if b <= executor.decode_rows(min(len(prompts), executor.max_batch))]
         # greedy always: a sampling batch whose sampling rows all finished decodes greedily
         for kv in (b for b in buckets if first <= b <= last):
-            out |= {Graph("decode", kv, greedy=g) for g in heads | {True}}
+            out |= {Graph("decode", kv, greedy=g, rows=r) for g in heads | {True} for r in slots}
     order = {"encode": 0, "embeds": 1, "prefill": 2, "decode": 3}
-    return sorted(out, key=lambda g: (order[g.kind], g.tower or "", g.size, g.window or 0, not g.greedy))
+    return sorted(out, key=lambda g: (order[g.kind], g.tower or "", g.rows or 0, g.size, g.window or 0, not g.greedy))
 
 
 def describe(graphs: list[Graph]) -> str:
@@ -139,7 +146,7 @@ def run(executor, graphs: list[Graph], dummy_media: Callable[[str, int], TowerIn
             inputs.window = g.window
             out = executor.prefill(inputs, _sampling(executor.max_batch, g.greedy))
         else:
-            out = executor.decode(DecodeInputs.zeros(executor.max_batch, g.size), _sampling(executor.max_batch, g.greedy))
+            out = executor.decode(DecodeInputs.zeros(g.rows, g.size), _sampling(g.rows, g.greedy))
         executor.step_done()
         if g.kind in ("prefill", "decode"):
             out.cpu()

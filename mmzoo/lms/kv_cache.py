@@ -7,8 +7,9 @@ graph serves every step. Attention layers see a *view* with ``update(layer_idx, 
 * :class:`PrefillView` writes a prompt's keys into its slot and lets the prompt attend to itself;
   :meth:`KVCache.prefill` first resets the slot's whole row in every layer, so nothing of the
   slot's previous sequence is left (see below).
-* :class:`DecodeView` writes one (or a few) new tokens per slot and attends over the first
-  ``kv_len`` positions of every row (the whole row by default); the causal rule with
+* :class:`DecodeView` writes one (or a few) new tokens per slot of the first ``b`` slots (all
+  by default) and attends over the first ``kv_len`` positions of their rows (the whole row by
+  default); the causal rule with
   ``q_positions`` hides everything past each sequence's length. An executor that knows no
   sequence is longer than ``kv_len`` passes it, so attention reads only that part of the cache.
 
@@ -87,9 +88,9 @@ class KVCache:
         return PrefillView(self, slots if token_slots is None else token_slots, positions)
 
     def decode(self, positions: torch.Tensor, kv_len: int | None = None) -> "DecodeView":
-        """A view writing ``positions [num_slots, s]`` into every slot (one row per slot) and
-        attending over the first ``kv_len`` cache positions (None: all ``max_len``); every write
-        position must be below ``kv_len``."""
+        """A view writing ``positions [b, s]`` into the first ``b <= num_slots`` slots (one row per
+        slot) and attending over their first ``kv_len`` cache positions (None: all ``max_len``);
+        every write position must be below ``kv_len``."""
         return DecodeView(self, positions, kv_len)
 
 
@@ -112,17 +113,23 @@ class PrefillView:
 
 
 class DecodeView(PrefillView):
-    """Write new tokens of every slot and attend over the first ``kv_len`` positions of the cache."""
+    """Write new tokens of the first ``b`` slots and attend over the first ``kv_len`` positions of
+    their rows."""
 
     def __init__(self, cache: KVCache, positions: torch.Tensor, kv_len: int | None = None):
-        super().__init__(cache, torch.arange(cache.num_slots, device=positions.device), positions)
+        b = positions.shape[0]
+        if not 0 < b <= cache.num_slots:
+            raise ValueError(f"a decode step of {b} rows needs 1 to num_slots={cache.num_slots} of them")
+        super().__init__(cache, torch.arange(b, device=positions.device), positions)
         if kv_len is not None and not 0 < kv_len <= cache.max_len:
             raise ValueError(f"kv_len={kv_len} must be in [1, max_len={cache.max_len}]")
-        self.kv_len = kv_len
+        self.kv_len, self.rows = kv_len, b
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         self.cache._write(layer, k, v, self.index(k.shape[1]))
         keys, values = self.cache.keys(layer), self.cache.v[layer]
+        if self.rows < self.cache.num_slots:
+            keys, values = keys[: self.rows], values[: self.rows]
         if self.kv_len is None or self.kv_len == self.cache.max_len:
             return keys, values
         return keys[:, :, : self.kv_len], values[:, :, : self.kv_len]

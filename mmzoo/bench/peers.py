@@ -7,8 +7,9 @@ cache_implementation="static")`` with the model's ``forward`` compiled by ``torc
 (inductor; on CPU, C++ kernels). It gets its own model instance (a compiled forward must not
 see a dynamic cache), is compiled in an untimed first call at each batch size, then timed.
 
-Every system runs each batch size ``repeats`` times after one untimed run; the figures are the
-medians: prefill (time to the first token of a batch), decode tok/s (batch / the median gap
+Every system runs each batch size once untimed (compiling), then ``repeats`` timed rounds go
+round all the systems in turn (so the machine's drift over the run falls on each alike); the
+figures are the medians: prefill (time to the first token of a batch), decode tok/s (batch / the median gap
 between tokens), and the ratios to the compiled peer. A peer that cannot run says why.
 """
 
@@ -109,30 +110,47 @@ def run(cfg: DictConfig, checkpoint, hf_class: str) -> list[dict]:
     for attn in pc.attention:
         makers[f"mmzoo-xla ({attn})"] = (lambda a=attn: MmzooPeer(checkpoint, str(cfg.family), cfg.dtype, a,
                                                                   batches, max_len, plen))
-    rows = []
+    # every system is built and compiled first; then the timed runs go round the systems in turn
+    # (round r: every system, every batch size), so a drift of the machine's speed over the minutes
+    # of the run falls on all of them alike
+    peers, errors, first = {}, {}, {}
     for system, make in makers.items():
         say(f"peers: {system}")
         try:
             t0 = time.perf_counter()
-            peer = make()
+            peers[system] = make()
             setup_s = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - the peer cannot run this family: say so, with the error
-            rows += [{"system": system, "batch": b, "error": _short(e)} for b in batches]
+            errors.update({(system, b): _short(e) for b in batches})
             continue
         for b in batches:
             try:
                 t0 = time.perf_counter()
-                peer.run(prompts[b], new)  # untimed: compiles (torch.compile / XLA) at this batch
-                first_s = time.perf_counter() - t0
-                runs = [peer.run(prompts[b], new) for _ in range(repeats)]
+                peers[system].run(prompts[b], new)  # untimed: compiles (torch.compile / XLA) at this batch
+                first[system, b] = time.perf_counter() - t0 + (setup_s if b == batches[0] else 0)
             except Exception as e:  # noqa: BLE001
-                rows.append({"system": system, "batch": b, "error": _short(e)})
+                errors[system, b] = _short(e)
+    runs = {key: [] for key in first if key not in errors}
+    for r in range(repeats):
+        say(f"peers: timed round {r + 1}/{repeats}")
+        for system, b in list(runs):
+            try:
+                runs[system, b].append(peers[system].run(prompts[b], new))
+            except Exception as e:  # noqa: BLE001
+                errors[system, b] = _short(e)
+                del runs[system, b]
+    rows = []
+    for system in makers:
+        for b in batches:
+            if (system, b) in errors:
+                rows.append({"system": system, "batch": b, "error": errors[system, b]})
                 continue
-            prefill = statistics.median(r[0] for r in runs) * 1e3
-            itl = statistics.median(g for r in runs for g in np.diff(r)) * 1e3
+            times = runs[system, b]
+            prefill = statistics.median(t[0] for t in times) * 1e3
+            itl = statistics.median(g for t in times for g in np.diff(t)) * 1e3
             rows.append({"system": system, "batch": b, "prefill_ms": prefill, "itl_ms": itl,
-                         "decode_tok_s": b / itl * 1e3, "first_call_s": first_s + (setup_s if b == batches[0] else 0)})
-        del peer
+                         "decode_tok_s": b / itl * 1e3, "first_call_s": first[system, b]})
+    del peers
     for r in rows:
         ref = next((x for x in rows if x["system"] == "transformers-compiled" and x["batch"] == r["batch"]
                     and "error" not in x), None)

@@ -91,7 +91,7 @@ def point(spec_path: str, out_path: str) -> None:
                         attention=instantiate(spec["attention"]), dtype=spec["dtype"], towers=False,
                         mesh={"model": tp} if tp > 1 else None)
     reqs = spec["requests"]
-    run_mmzoo(engine, "mmzoo-xla", [dict(reqs[0], max_new_tokens=2)])  # priming: compiles lazily, untimed
+    engine.warm(reqs)  # untimed: compiles the graphs these requests hit (warmup=needed)
     r = run_mmzoo(engine, "mmzoo-xla", reqs)
     import torch_xla.runtime as xr
 

@@ -251,7 +251,7 @@ def test_steps_replay_their_compiled_graphs(xla_engine, qwen2_vl_ckpt, image_fil
     exe = xla_engine.executor
     kinds = {key[0] for key in exe._replays}
     assert kinds == {"encode", "embeds", "prefill", "decode"}, exe._replays.keys()
-    assert exe.decode_batch_buckets == [1, 2, 3]  # auto on the XLA CPU client: doubling from 1, then max_batch
+    assert exe.decode_batch_buckets == [1, 3]  # auto on the XLA CPU client: one row, or every slot
     assert {k for k in exe._replays if k[0] == "decode"} == {("decode", g, kv, b) for g in (True, False)
                                                              for kv in exe.decode_kv_buckets
                                                              for b in exe.decode_batch_buckets}
@@ -373,8 +373,8 @@ def test_short_prompts_packed_attend_in_windows(xla_engine, qwen2_vl_ckpt, image
 
 def test_decode_runs_the_rows_its_slots_need(xla_engine, eager_engine, image_files, monkeypatch):
     """``decode_batch_buckets``: a decode step runs the first slots, up to the bucket holding the
-    highest running one. One request alone decodes 1 row of 3; as sequences finish the rows
-    shrink, and a request joining a running one makes them grow, each step's input tokens read
+    highest running one. One request alone decodes 1 row of 3 (buckets [1, 3]); as sequences
+    finish the rows shrink, and a request joining a running one makes them grow, each step's input tokens read
     from the previous step's output of other rows. Every request gets the tokens the eager
     executor (all slots, every step) gives it, and nothing compiles past warmup."""
     from mmzoo.executor.base import Generation
@@ -391,14 +391,14 @@ def test_decode_runs_the_rows_its_slots_need(xla_engine, eager_engine, image_fil
     one = {"prompt": "what shape is this", "images": image_files[:1], "max_new_tokens": 6, "ignore_eos": True}
     assert xla_engine.generate([one])[0].token_ids == eager_engine.generate([one])[0].token_ids
     assert set(rows) == {1}
-    # slots 0-2 at once; slot 1 finishes first and the fourth request takes it; slot 2 ends (rows 3 -> 2),
-    # then the fourth (rows 1: slot 0 alone)
+    # slots 0-2 at once; slot 1 finishes first and the fourth request takes it; slots 1 and 2 end,
+    # then slot 0 decodes alone (rows 3 -> 1)
     reqs = [dict(one, max_new_tokens=12), dict(one, prompt="say", images=[], max_new_tokens=2),
             dict(one, prompt="what colour", max_new_tokens=4),
             dict(one, prompt="hello there", images=image_files[1:2], max_new_tokens=6, temperature=0.8, seed=3)]
     rows.clear()
     assert [r.token_ids for r in xla_engine.generate(reqs)] == [r.token_ids for r in eager_engine.generate(reqs)]
-    assert rows == sorted(rows, reverse=True) and set(rows) == {3, 2, 1}, rows
+    assert rows == sorted(rows, reverse=True) and set(rows) == {3, 1}, rows
     # growing: a request joins slot 1 while slot 0 decodes alone
     rows.clear()
     run = Generation(exe, decode_text=xla_engine.decode)
@@ -408,13 +408,16 @@ def test_decode_runs_the_rows_its_slots_need(xla_engine, eager_engine, image_fil
     second = run.add(xla_engine.prepare(Request(**reqs[3])))
     while run.busy:
         run.step()
-    assert rows[:3] == [1, 1, 1] and 2 in rows[3:] and rows[-1] == 1, rows
+    assert rows[:3] == [1, 1, 1] and 3 in rows[3:] and rows[-1] == 1, rows
     assert [first.result.token_ids, second.result.token_ids] == [
         r.token_ids for r in eager_engine.generate([reqs[0], reqs[3]])]
     assert exe.compiled_graphs() == before
     with pytest.raises(ValueError, match=r"decode_batch_buckets=\[0, 2\] must lie in \[1, max_batch=4\]"):
         mmzoo.executor.XLAExecutor(max_batch=4, decode_batch_buckets=[0, 2])
     assert mmzoo.executor.XLAExecutor(max_batch=4, decode_batch_buckets=[2])._batch_buckets == [2, 4]
+    four = mmzoo.load(xla_engine.checkpoint, executor="xla", attention="sdpa", max_batch=4, warmup=False,
+                      decode_batch_buckets=[1, 2], **SMALL).executor
+    assert four.decode_batch_buckets == [1, 2, 4] and [four.decode_rows(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
 
 
 def test_packed_prefill_inputs_layout():

@@ -53,3 +53,23 @@ def test_cli_default_compiles_what_the_requests_need(qwen2_vl_ckpt, image_files,
     assert "warmup compiled" not in p.stderr  # no every-bucket warmup
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all("error" not in r and r["graphs_compiled_after_warmup"] == 0 for r in rows)
+
+
+def test_engine_warm_compiles_what_generate_then_runs(qwen2_vl_ckpt, image_files):
+    """``Engine.warm(requests)``: the needed graphs compiled without running anything (a
+    benchmark's untimed priming); the requests then run with the guard on and compile nothing. A
+    request that cannot run is skipped; warming the same requests again compiles nothing."""
+    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", warmup="needed", on_recompile="error", **SMALL)
+    exe = engine.executor
+    reqs = [{"prompt": "What is this?", "images": [image_files[0]], "max_new_tokens": 3},
+            {"prompt": "Say something.", "max_new_tokens": 4, "ignore_eos": True},
+            {"prompt": "word " * 200}]  # longer than max_model_len: skipped
+    engine.warm(reqs)
+    compiled = exe.compiled_graphs()
+    assert compiled > 0 and {g.kind for g in exe.warm} == {"encode", "prefill", "decode"}
+    assert any(g.kind == "decode" and g.rows == 2 for g in exe.warm)  # two requests can run side by side
+    results = engine.generate(reqs[:2])
+    assert all(r.error is None for r in results) and exe.compiled_graphs() == compiled
+    engine.warm(reqs[:2])
+    assert exe.compiled_graphs() == compiled
+    assert mmzoo.load(qwen2_vl_ckpt, executor="eager", max_model_len=128).warm(reqs) == 0.0

@@ -59,10 +59,12 @@ class XLAExecutor(Executor):
             smallest bucket holding every running slot (the scheduler fills the lowest free slot
             first), so a batch-1 step pays for one row, not ``max_batch`` (on the XLA CPU client a
             64M-parameter step cost ~9 ms at 1 row and ~19 ms at 8). ``max_batch`` is always one.
-            Default (``"auto"``): doubling from 1 on the XLA CPU client without a mesh; elsewhere
-            doubling from ``min(8, max_batch)`` (an accelerator computes 8 rows at the cost of
-            one, vLLM pads to 8 on TPU); ``max_batch`` only with a device mesh (its slots are split
-            over the data axis).
+            Default (``"auto"``): ``[1, max_batch]`` on the XLA CPU client without a mesh (one
+            request alone runs one row; each bucket adds a graph per KV bucket and head to
+            ``warmup=all``, so finer ones are left to an explicit list); elsewhere doubling from
+            ``min(8, max_batch)`` (an accelerator computes 8 rows at the cost of one; vLLM pads to
+            8 on TPU); ``max_batch`` only with a device mesh (its slots are split over the data
+            axis).
         warmup: ``all`` (or true): compile every graph of every bucket when the engine is loaded
             (a server: requests come later); ``needed``: before each run, compile only the graphs
             its requests hit (:meth:`warm_for`: a one-shot run or a requests file, known up front);
@@ -185,7 +187,7 @@ class XLAExecutor(Executor):
                              f"slots are split over the data axis); use auto or [{self.max_batch}]")
         self.decode_batch_buckets = self._batch_buckets or (
             [self.max_batch] if self.sharding is not None else
-            doubling(1 if self._cpu_alone() else min(8, self.max_batch), self.max_batch))
+            sorted({1, self.max_batch}) if self._cpu_alone() else doubling(min(8, self.max_batch), self.max_batch))
         if self.windowed_prefill == "auto":
             self.windowed_prefill = not all(getattr(b, "skips_masked_blocks", False)
                                             for b in self._lm_backends(self.model))

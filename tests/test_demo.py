@@ -27,7 +27,7 @@ GEN = {"max_new_tokens": 4}  # a one-word answer and <|im_end|>
 # buckets that fit every mmzoo.shapes prompt: at most 100 patches (140 x 140 px), 25 image tokens,
 # about 45 tokens in all; precomputed embeddings are written 32 rows at a time
 XLA_SMALL = dict(max_model_len=64, prefill_buckets=[64], max_batch=8, encoder_buckets={"vision": [100]},
-                 min_encoder_rows=32, max_encoder_rows=32, progress=False, on_recompile="error")
+                 min_encoder_rows=32, max_encoder_rows=32, progress=False, warmup="needed", on_recompile="error")
 
 
 @pytest.fixture(scope="module")

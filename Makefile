@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-all venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -18,9 +18,14 @@ demo: $(STAMP)
 	$(VENV)/bin/python -m mmzoo.infer model=qwen2_vl attention=pallas
 
 # the test suite (CI runs this): two workers, a test file each at a time (a file's module fixtures, such
-# as test_sharding's SPMD subprocess, run once); on 2 cores this takes ~10 min against ~13 in one process
+# as test_sharding's SPMD subprocess, run once); ~8-11 min on 2 cores. It leaves out the tests marked
+# as slow (the bench's tp-sweep and first-answer stages, the SIGINT variant of the interrupted run)
 TEST_WORKERS ?= 2
 test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
+
+# every test, the slow ones too
+test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:

@@ -145,7 +145,7 @@ def _wait_for_rows(out: Path, proc: subprocess.Popen, n: int, timeout: float = 3
     raise AssertionError(f"no {n} rows in {timeout} s")
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("how", ["SIGKILL", pytest.param("SIGINT", marks=pytest.mark.slow), "SIGTERM"])  # INT: TERM's handler
 def test_interrupted_run_resumes_to_the_uninterrupted_file(qwen2_vl_ckpt, twenty, tmp_path, how):
     reqs, root = twenty
     full = _uninterrupted(qwen2_vl_ckpt, reqs, root)

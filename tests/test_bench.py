@@ -81,6 +81,7 @@ def test_smoke_recipe_writes_every_figure(tmp_path):
     assert res["targets"][-1]["pass"] is True  # 0 graphs compiled after warmup
 
 
+@pytest.mark.slow  # tensor-parallel tokens and sharding: test_sharding
 def test_tensor_parallel_sweep_rows(tmp_path):
     """``sweep.tp=[1,2]`` on the smoke model: a row per point (each its own process, tp=2 on 2
     virtual CPU devices under SPMD), the same tokens as tp=1, nothing compiled in the timed run."""
@@ -150,6 +151,7 @@ def test_peers_stage_compiled_transformers_beside_mmzoo(tmp_path):
     assert rows["mmzoo-xla (sdpa)"]["decode_vs_compiled"] > 0
 
 
+@pytest.mark.slow  # the CLI's warmup=needed and its first answer: test_warmup_needed, test_cli
 def test_first_answer_stage(tmp_path):
     """bench first_answer: fresh infer processes on the embedded demo, timed to their first answer,
     with what they compiled (warmup=needed: a few graphs) and whether they answered right."""

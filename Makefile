@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 # the test suite (CI runs this): two workers, a test file each at a time (a file's module fixtures, such
 # as test_sharding's SPMD subprocess, run once); ~8-11 min on 2 cores. It leaves out the tests marked
-# as slow (the bench's tp-sweep and first-answer stages, the SIGINT variant of the interrupted run)
+# as slow (end-to-end runs of fresh processes whose parts other tests cover; see the README)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests

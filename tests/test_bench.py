@@ -95,6 +95,7 @@ def test_tensor_parallel_sweep_rows(tmp_path):
     assert "mesh data=1 x model=2" in rows[1]["describe"] and rows[0]["median_itl_ms"] > 0
 
 
+@pytest.mark.slow  # the bench's stages: test_smoke_recipe_writes_every_figure; these families' tokens: test_parity
 @pytest.mark.parametrize("recipe,media", [("bench_llava_smoke", "image"), ("bench_qwen2_audio_smoke", "audio")])
 def test_smoke_recipe_of_every_family(tmp_path, recipe, media):
     """Llava (images) and Qwen2-Audio (audio clips) through every system: every request completes,
@@ -121,6 +122,7 @@ def test_smoke_recipe_of_every_family(tmp_path, recipe, media):
         assert "TTFT vs image size: skipped" in p.stdout and any("skipped" in note for note in res["notes"])
 
 
+@pytest.mark.slow  # the server itself: test_serve
 def test_serving_mode_over_http(tmp_path):
     """mmzoo-serve: the workload as concurrent streaming openai clients of mmzoo.serve on the XLA
     engine; every request completes with the engines' tokens and nothing compiles after warmup."""

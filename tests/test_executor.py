@@ -258,7 +258,7 @@ def test_steps_replay_their_compiled_graphs(xla_engine, qwen2_vl_ckpt, image_fil
     assert {k[1:] for k in exe._replays if k[0] == "prefill"} == {(s, None, g) for s in exe.prefill_buckets
                                                               for g in (True, False)}  # no windows at 3 slots
     traced = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, on_recompile="error",
-                        replay_steps=False, **SMALL)
+                        replay_steps=False, warmup="needed", **SMALL)
     assert traced.executor._replays == {}
     reqs = workload(image_files)
     expected = [r.token_ids for r in traced.generate(reqs)]

@@ -97,6 +97,7 @@ def test_bad_input(eager, audio_files, tmp_path):
     parity.assert_refused(eager, cases, PROMPT, kind="audio", files=audio_files)
 
 
+@pytest.mark.slow  # the CLI: test_cli; audio requests through XLA: test_xla_warmup_covers_every_clip_count, test_serve
 def test_cli(qwen2_audio_ckpt, audio_files, tmp_path):
     out = tmp_path / "out.jsonl"
     env = {**os.environ, "PJRT_DEVICE": "CPU"}

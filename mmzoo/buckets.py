@@ -20,6 +20,15 @@ def doubling(start: int, stop: int, *, linear_after: int | None = None, step: in
     return out
 
 
+def with_top(values, top: int, name: str, top_name: str) -> list[int]:
+    """An explicit bucket list ``name``: sorted, without repeats, each in ``[1, top]``, and ``top``
+    always one of them (added if missing)."""
+    out = sorted({int(x) for x in values})
+    if not out or out[0] < 1 or out[-1] > top:
+        raise ValueError(f"{name}={out} must lie in [1, {top_name}={top}]")
+    return out if out[-1] == top else out + [top]
+
+
 def pick(buckets: list[int], n: int, what: str) -> int:
     """The smallest bucket that holds ``n``."""
     for b in buckets:

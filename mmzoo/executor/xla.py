@@ -19,7 +19,7 @@ from collections import deque
 
 import torch
 
-from mmzoo.buckets import doubling, pick
+from mmzoo.buckets import doubling, pick, with_top
 from mmzoo.executor.base import Executor
 
 _CACHE_DIR: str | None = None
@@ -120,10 +120,7 @@ class XLAExecutor(Executor):
         self.encoder_buckets = {k: sorted(int(x) for x in v) for k, v in (encoder_buckets or {}).items()}
         self.default_encoder_buckets = doubling(min_encoder_rows, max_encoder_rows)
         if decode_kv_buckets is not None:
-            kv = sorted({int(x) for x in decode_kv_buckets})
-            if kv[0] <= 0 or kv[-1] > max_model_len:
-                raise ValueError(f"decode_kv_buckets={kv} must lie in [1, max_model_len={max_model_len}]")
-            self._kv_buckets = kv if kv[-1] == max_model_len else kv + [max_model_len]
+            self._kv_buckets = with_top(decode_kv_buckets, max_model_len, "decode_kv_buckets", "max_model_len")
         else:
             self._kv_buckets = None  # resolved in setup(), against the model's attention backends
         self.min_decode_kv = min_decode_kv
@@ -131,10 +128,7 @@ class XLAExecutor(Executor):
         if decode_batch_buckets in (None, "auto"):
             self._batch_buckets = None  # resolved in setup(), against the device and the mesh
         else:
-            rows = sorted({int(x) for x in decode_batch_buckets})
-            if not rows or rows[0] < 1 or rows[-1] > max_batch:
-                raise ValueError(f"decode_batch_buckets={rows} must lie in [1, max_batch={max_batch}]")
-            self._batch_buckets = rows if rows[-1] == max_batch else rows + [max_batch]
+            self._batch_buckets = with_top(decode_batch_buckets, max_batch, "decode_batch_buckets", "max_batch")
         self.decode_batch_buckets: list[int] = []
         self.transpose_weights = _auto_or_bool("transpose_weights", transpose_weights)
         self.fuse_projections = _auto_or_bool("fuse_projections", fuse_projections)

@@ -207,6 +207,54 @@ def test_projections_fused_on_xla_cpu(xla_engine, qwen2_vl_ckpt, image_files):
         mmzoo.executor.XLAExecutor(fuse_projections="yes")
 
 
+def test_rotary_table_rows_equal_the_computed_ones():
+    """Rotary.tabulate: the gathered cos/sin equal the computed ones bit for bit (1-D RoPE, M-RoPE,
+    2-D vision RoPE); a position past the table is out of range."""
+    from mmzoo.layers import mrope, rope_1d, rope_2d
+
+    for rotary, axes in ((rope_1d(16, 1e6), 1), (mrope(16, 1e6, [2, 3, 3]), 3), (rope_2d(16, 1e4), 2)):
+        positions = torch.randint(0, 64, (axes, 2, 9))
+        positions[0, 0, 0] = 63
+        want = rotary(positions)
+        assert rotary.positions is None
+        rotary.tabulate(64)
+        assert rotary.positions == 64
+        got = rotary(positions)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        with pytest.raises(IndexError):
+            rotary(positions + 1)
+
+
+def test_rotary_tabulated_on_xla(xla_engine, qwen2_vl_ckpt, image_files):
+    """The XLA executor gathers the LM's rotary cos/sin from a table of max_model_len positions
+    (rotary_table); logits and tokens equal the computed rotary's, and a sequence whose positions
+    would pass the table is refused where it enters, naming the position."""
+    import dataclasses
+
+    import numpy as np
+
+    from mmzoo.errors import MmzooError
+
+    assert xla_engine.model.lm.rotary.positions == SMALL["max_model_len"]
+    computed = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, warmup=False,
+                          rotary_table=False, **SMALL)
+    assert computed.model.lm.rotary.positions is None
+    req = mmzoo.Request(prompt="Describe.", images=image_files[:1], max_new_tokens=6, ignore_eos=True)
+    prepared = xla_engine.prepare(req)
+    torch.testing.assert_close(xla_engine.executor.prompt_logits(prepared),
+                               computed.executor.prompt_logits(prepared), rtol=0, atol=1e-4, check_dtype=False)
+    assert xla_engine.generate(req).token_ids == computed.generate(req).token_ids
+    past = dataclasses.replace(prepared, positions=np.full_like(prepared.positions, SMALL["max_model_len"]))
+    with pytest.raises(MmzooError, match="rotary position 128 is past the 128 positions"):
+        xla_engine.executor.check_prompt(past)
+    ahead = dataclasses.replace(prepared, position_delta=1)  # decoding would reach max_model_len
+    with pytest.raises(MmzooError, match="rotary position 128"):
+        xla_engine.executor.check_prompt(ahead)
+    computed.executor.check_prompt(past)  # no table: nothing to pass
+    with pytest.raises(ValueError, match="rotary_table"):
+        mmzoo.executor.XLAExecutor(rotary_table="yes")
+
+
 def test_executor_leaves_the_callers_module_as_it_was(qwen2_vl_ckpt, image_files):
     """setup() lays out and places its own copy: the module a research script built keeps its
     separate projections, its [out, in] weights, its state_dict and its device; and it still runs."""

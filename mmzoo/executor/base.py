@@ -232,11 +232,25 @@ class Executor:
         return self.max_prefill_tokens
 
     def check_prompt(self, prepared: Prepared) -> None:
-        """Refuse a prompt no prefill step can take (too long for the cache, or for every bucket)."""
+        """Refuse a prompt no prefill step can take (too long for the cache, or for every bucket, or
+        its rotary positions past the LM's table)."""
         n = len(prepared.input_ids)
         if n + 1 > self.max_model_len:
             raise MmzooError(f"prompt has {n} tokens; max_model_len={self.max_model_len} leaves no room to generate")
         self.prefill_len(n)  # raises when no bucket holds it
+        self._check_positions(prepared)
+
+    def _check_positions(self, prepared: Prepared) -> None:
+        """With a tabulated rotary (:meth:`~mmzoo.layers.Rotary.tabulate`), every position the
+        sequence can reach, in its prompt or while it decodes (cache index ``i`` at ``i + delta``,
+        ``i < max_model_len``), must be in the table: on XLA a gather past it would clamp silently."""
+        table = self.model.lm.rotary.positions
+        if table is None:
+            return
+        top = max(int(prepared.positions.max(initial=0)), self.max_model_len - 1 + prepared.position_delta)
+        if top >= table:
+            raise MmzooError(f"rotary position {top} is past the {table} positions the LM's rotary table holds "
+                             f"(max_model_len={self.max_model_len})")
 
     def prefill_groups(self, prepared: list[Prepared]) -> list[list[int]]:
         """Split prompts (each passing :meth:`check_prompt`) into consecutive groups that one packed
@@ -324,6 +338,7 @@ class Executor:
     def prompt_logits(self, prepared: Prepared) -> np.ndarray:
         """``[n, vocab]`` float32 logits at every prompt position (no cache; for scoring and tests)."""
         n = len(prepared.input_ids)
+        self._check_positions(prepared)
         index, _ = self._encode_prompt_media(prepared, 0)
         p = PrefillInputs.pack(self.prefill_len(n), 1, self.max_model_len,
                                [(prepared.input_ids, prepared.positions, index, 0)])

@@ -89,6 +89,12 @@ class XLAExecutor(Executor):
             a 512-token step gained 11%, not worth a graph per bucket in every such server's
             warmup. ``"auto"``: when every LM attention backend computes the scores its mask
             hides (sdpa, eager; Pallas' kernel skips them).
+        rotary_table: precompute the LM's rotary cos/sin for positions ``0 .. max_model_len - 1``
+            (:meth:`~mmzoo.layers.Rotary.tabulate`, vLLM's ``cos_sin_cache``) and gather them per
+            step: XLA otherwise fuses the cos/sin into every layer's q and k rotation and
+            evaluates them there per element and per head (on the XLA CPU client a 512-token
+            prefill step of the bench model took ~14% longer). ``"auto"``: on. Positions are
+            checked on the host (:meth:`~mmzoo.executor.base.Executor.check_prompt`).
         replay_steps: after warmup, run each step (encode, prefill, decode) as its compiled graph
             with new inputs instead of tracing it again on every call
             (:mod:`mmzoo.executor._replay`); ``"auto"``: without a device mesh.
@@ -105,7 +111,7 @@ class XLAExecutor(Executor):
                  compile_cache_dir: str | None = None, progress: bool = False, transpose_weights: bool | str = "auto",
                  fuse_projections: bool | str = "auto", transpose_keys: bool | str = "auto",
                  replay_steps: bool | str = "auto", windowed_prefill: bool | str = "auto",
-                 decode_batch_buckets: list[int] | str | None = "auto"):
+                 decode_batch_buckets: list[int] | str | None = "auto", rotary_table: bool | str = "auto"):
         super().__init__(max_model_len=max_model_len, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
                          progress=progress)
         if on_recompile not in ("error", "warn", "ignore"):
@@ -135,6 +141,7 @@ class XLAExecutor(Executor):
         self.transpose_keys = _auto_or_bool("transpose_keys", transpose_keys)
         self.replay_steps = _auto_or_bool("replay_steps", replay_steps)
         self.windowed_prefill = _auto_or_bool("windowed_prefill", windowed_prefill)
+        self.rotary_table = _auto_or_bool("rotary_table", rotary_table)
         self.replaying = False  # set by setup(): replay_steps resolved against the mesh
         self._replays: dict = {}  # step key (kind and static shape) -> ReplayedStep
         # the state tensors donated to the last two replayed steps: dropping a donated tensor waits
@@ -190,12 +197,14 @@ class XLAExecutor(Executor):
             self.step_done()
 
     def prepare_model(self, model) -> None:
-        """Stack q/k/v and gate/up into one linear each (``fuse_projections``), on the host copy
-        before it is placed (and then held transposed)."""
+        """Stack q/k/v and gate/up into one linear each (``fuse_projections``) and tabulate the LM's
+        rotary (``rotary_table``), on the host copy before it is placed (and then held transposed)."""
         from mmzoo.executor import _layout
 
         if self._cpu_alone() if self.fuse_projections == "auto" else self.fuse_projections:
             _layout.fuse_projections(model)
+        if self.rotary_table in ("auto", True):
+            model.lm.rotary.tabulate(self.max_model_len)
 
     def hold_keys_transposed(self, model) -> bool:
         if self.transpose_keys is True and self.sharding is not None:

@@ -11,6 +11,11 @@ The variants differ only in which position axis drives each frequency:
 
 So the module holds a per-frequency table ``(inv_freq[f], axis[f])`` and computes
 ``angle[b, s, f] = positions[axis[f], b, s] * inv_freq[f]``.
+
+:meth:`Rotary.tabulate` precomputes cos and sin of every position up to a bound (vLLM's
+``cos_sin_cache``), so that the forward looks rows up instead of evaluating them. Under XLA this
+matters: the compiler fuses the cos/sin into each consumer (every layer's q and k rotation) and
+evaluates them there per element, once per head, in every layer.
 """
 
 from __future__ import annotations
@@ -39,6 +44,19 @@ class Rotary(nn.Module):
         self.num_axes = int(axes.max()) + 1
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.register_buffer("axes", axes.long(), persistent=False)
+        self.register_buffer("table", None, persistent=False)  # [positions, 2, F] cos/sin rows (tabulate)
+
+    @property
+    def positions(self) -> int | None:
+        """Positions :meth:`tabulate` covers (``0 .. positions - 1``), or None: computed as needed."""
+        return None if self.table is None else int(self.table.shape[0])
+
+    def tabulate(self, positions: int) -> None:
+        """Precompute cos and sin for positions ``0 .. positions - 1`` (float32, on the frequencies'
+        device); the forward then gathers them. A position past them is out of range: eager torch
+        raises, an XLA gather clamps, so the caller (the executor) checks them on the host."""
+        angles = torch.arange(positions, dtype=torch.float32, device=self.inv_freq.device)[:, None] * self.inv_freq
+        self.table = torch.stack((angles.cos(), angles.sin()), dim=1)
 
     @property
     def head_dim(self) -> int:
@@ -48,6 +66,13 @@ class Rotary(nn.Module):
         """Return ``(cos, sin)``, each ``[b, s, head_dim]`` float32, from ``positions [axes, b, s]``."""
         if positions.dim() != 3 or positions.shape[0] != self.num_axes:
             raise ValueError(f"positions must be [{self.num_axes}, b, s], got {tuple(positions.shape)}")
+        if self.table is not None:
+            rows = self.table[positions]  # [axes, b, s, 2, F]: each axis's rows
+            tab = rows[0]
+            for a in range(1, self.num_axes):  # frequency f reads axis axes[f]
+                tab = torch.where(self.axes == a, rows[a], tab)
+            cos, sin = tab.unbind(-2)  # [b, s, F] each
+            return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         pos = positions.float()[self.axes]  # [F, b, s]
         angles = pos.permute(1, 2, 0) * self.inv_freq  # [b, s, F]
         emb = torch.cat((angles, angles), dim=-1)  # [b, s, 2F]

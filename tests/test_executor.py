@@ -226,9 +226,10 @@ def test_rotary_table_rows_equal_the_computed_ones():
 
 
 def test_rotary_tabulated_on_xla(xla_engine, qwen2_vl_ckpt, image_files):
-    """The XLA executor gathers the LM's rotary cos/sin from a table of max_model_len positions
-    (rotary_table); logits and tokens equal the computed rotary's, and a sequence whose positions
-    would pass the table is refused where it enters, naming the position."""
+    """The XLA executor gathers the rotary cos/sin of the LM (a table of max_model_len positions)
+    and of the vision tower (its largest input-row bucket) from tables (rotary_table); logits and
+    tokens equal the computed rotary's, and a sequence or an image whose positions would pass a
+    table is refused where it enters, naming the position."""
     import dataclasses
 
     import numpy as np
@@ -236,6 +237,7 @@ def test_rotary_tabulated_on_xla(xla_engine, qwen2_vl_ckpt, image_files):
     from mmzoo.errors import MmzooError
 
     assert xla_engine.model.lm.rotary.positions == SMALL["max_model_len"]
+    assert xla_engine.model.towers["vision"].encoder.rotary.positions == SMALL["encoder_buckets"]["vision"][-1]
     computed = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, warmup=False,
                           rotary_table=False, **SMALL)
     assert computed.model.lm.rotary.positions is None
@@ -251,6 +253,10 @@ def test_rotary_tabulated_on_xla(xla_engine, qwen2_vl_ckpt, image_files):
     with pytest.raises(MmzooError, match="rotary position 128"):
         xla_engine.executor.check_prompt(ahead)
     computed.executor.check_prompt(past)  # no table: nothing to pass
+    (image,) = prepared.media
+    far = dataclasses.replace(image, inputs={**image.inputs, "patch_pos": image.inputs["patch_pos"] + 256})
+    with pytest.raises(MmzooError, match=r"vision rotary position \d+ \(patch_pos\) is past the 256 positions"):
+        xla_engine.executor.encode(far)
     with pytest.raises(ValueError, match="rotary_table"):
         mmzoo.executor.XLAExecutor(rotary_table="yes")
 

@@ -44,6 +44,9 @@ class Qwen2VisionEncoder(nn.Module):
         norm_eps: LayerNorm epsilon.
     """
 
+    rotary_input = "patch_pos"  # the forward input holding the rotary positions (an executor may tabulate
+    # self.rotary: a position is a patch's row or column in its image grid, so below the image's patches)
+
     def __init__(self, *, in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int,
                  depth: int, num_heads: int, mlp_ratio: float, act: str, attn_fn, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-6):

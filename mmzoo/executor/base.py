@@ -185,6 +185,7 @@ class Executor:
             padded[: emb.shape[0]] = emb.to(self.dtype)
             tower, names, tensors = None, [], [padded.to(self.device())]
         else:
+            self._check_tower_positions(item)
             tower, names, tensors = item.tower, sorted(item.inputs), []
             for name in names:
                 arr = item.inputs[name]
@@ -203,6 +204,16 @@ class Executor:
 
         self.run_step(key, step, [self._tensor([offset])] + tensors, "media")
         return self._encoded_rows[key]
+
+    def _check_tower_positions(self, item: TowerInput) -> None:
+        """The rotary positions of a tower with a tabulated rotary (its encoder's ``rotary_input``)
+        must be in its table: on XLA a gather past it would clamp silently."""
+        encoder = self.model.towers[item.tower].encoder
+        name = getattr(encoder, "rotary_input", None)
+        table = encoder.rotary.positions if name else None
+        if table is not None and item.inputs[name].size and int(item.inputs[name].max()) >= table:
+            raise MmzooError(f"{item.tower} rotary position {int(item.inputs[name].max())} ({name}) is past the "
+                             f"{table} positions the tower's rotary table holds (its largest input-row bucket)")
 
     def _check_media_rows(self, item, offset: int, n: int) -> None:
         if offset + n > self.media.shape[0]:

@@ -89,12 +89,14 @@ class XLAExecutor(Executor):
             a 512-token step gained 11%, not worth a graph per bucket in every such server's
             warmup. ``"auto"``: when every LM attention backend computes the scores its mask
             hides (sdpa, eager; Pallas' kernel skips them).
-        rotary_table: precompute the LM's rotary cos/sin for positions ``0 .. max_model_len - 1``
-            (:meth:`~mmzoo.layers.Rotary.tabulate`, vLLM's ``cos_sin_cache``) and gather them per
-            step: XLA otherwise fuses the cos/sin into every layer's q and k rotation and
-            evaluates them there per element and per head (on the XLA CPU client a 512-token
-            prefill step of the bench model took ~14% longer). ``"auto"``: on. Positions are
-            checked on the host (:meth:`~mmzoo.executor.base.Executor.check_prompt`).
+        rotary_table: precompute the rotary cos/sin of the LM (positions ``0 .. max_model_len - 1``)
+            and of each tower that names its positions input (``rotary_input``; positions up to
+            its largest input-row bucket) (:meth:`~mmzoo.layers.Rotary.tabulate`, vLLM's
+            ``cos_sin_cache``) and gather them per step: XLA otherwise fuses the cos/sin into
+            every layer's q and k rotation and evaluates them there per element and per head (on
+            the XLA CPU client the bench model's prefill steps took ~10% longer, a 448 x 448
+            image's first token ~6%). ``"auto"``: on. Positions are checked on the host
+            (:meth:`~mmzoo.executor.base.Executor.check_prompt`, :meth:`~mmzoo.executor.base.Executor.encode`).
         replay_steps: after warmup, run each step (encode, prefill, decode) as its compiled graph
             with new inputs instead of tracing it again on every call
             (:mod:`mmzoo.executor._replay`); ``"auto"``: without a device mesh.
@@ -205,6 +207,9 @@ class XLAExecutor(Executor):
             _layout.fuse_projections(model)
         if self.rotary_table in ("auto", True):
             model.lm.rotary.tabulate(self.max_model_len)
+            for name, tower in model.towers.items():
+                if getattr(tower.encoder, "rotary_input", None):
+                    tower.encoder.rotary.tabulate(self.tower_buckets(name)[-1])
 
     def hold_keys_transposed(self, model) -> bool:
         if self.transpose_keys is True and self.sharding is not None:

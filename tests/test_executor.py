@@ -299,18 +299,20 @@ def test_fused_projections_compute_the_separate_ones():
 
 
 def test_steps_replay_their_compiled_graphs(xla_engine, qwen2_vl_ckpt, image_files, monkeypatch):
-    """After warmup every step (encode at each bucket, prefill at each bucket, decode; greedy and
-    sampling heads) runs as its compiled graph, never traced again: the tokens equal the traced
-    path's (greedy and sampled rows, images, slots refilled), with no graph compiled."""
+    """After warmup every step (encode at each bucket, prefill at each bucket, its head and
+    decode at each row bucket; greedy and sampling heads) runs as its compiled graph, never traced
+    again: the tokens equal the traced path's (greedy and sampled rows, images, slots refilled),
+    with no graph compiled."""
     exe = xla_engine.executor
     kinds = {key[0] for key in exe._replays}
-    assert kinds == {"encode", "embeds", "prefill", "decode"}, exe._replays.keys()
+    assert kinds == {"encode", "embeds", "prefill", "head", "decode"}, exe._replays.keys()
     assert exe.decode_batch_buckets == [1, 3]  # auto on the XLA CPU client: one row, or every slot
     assert {k for k in exe._replays if k[0] == "decode"} == {("decode", g, kv, b) for g in (True, False)
                                                              for kv in exe.decode_kv_buckets
                                                              for b in exe.decode_batch_buckets}
-    assert {k[1:] for k in exe._replays if k[0] == "prefill"} == {(s, None, g) for s in exe.prefill_buckets
-                                                              for g in (True, False)}  # no windows at 3 slots
+    assert {k[1:] for k in exe._replays if k[0] == "prefill"} == {(s, None) for s in exe.prefill_buckets}  # no
+    # windows at 3 slots; the head: a graph per row bucket and head, whatever the prompts' bucket
+    assert {k[1:] for k in exe._replays if k[0] == "head"} == {(b, g) for b in [1, 3] for g in (True, False)}
     traced = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, on_recompile="error",
                         replay_steps=False, warmup="needed", **SMALL)
     assert traced.executor._replays == {}
@@ -322,6 +324,7 @@ def test_steps_replay_their_compiled_graphs(xla_engine, qwen2_vl_ckpt, image_fil
 
     for name in ("forward", "encode"):
         monkeypatch.setattr(exe.model, name, no_tracing)
+    monkeypatch.setattr(exe.model.lm, "logits", no_tracing)
     before = exe.compiled_graphs()
     assert [r.token_ids for r in xla_engine.generate(reqs)] == expected
     assert exe.compiled_graphs() == before
@@ -417,7 +420,7 @@ def test_short_prompts_packed_attend_in_windows(xla_engine, qwen2_vl_ckpt, image
         assert [r.token_ids for r in engine.generate(reqs)] == alone
         assert windows == want
     assert sorted(str(g) for g in exe.warm if g.kind == "prefill") == [
-        "prefill 512 w64/greedy", "prefill 512/greedy", "prefill 64/greedy"]
+        "prefill 512", "prefill 512 w64", "prefill 64"]
     assert mmzoo.load(qwen2_vl_ckpt, max_batch=4, warmup=False, **kw).executor.window_of(512) is None
     off = mmzoo.load(qwen2_vl_ckpt, max_batch=8, windowed_prefill=False, warmup=False, **kw)
     assert off.executor.window_of(512) is None

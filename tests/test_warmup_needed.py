@@ -25,13 +25,14 @@ def test_needed_plan_is_a_subset_of_all_and_the_run_compiles_nothing_more(qwen2_
     full = warmup.plan(exe, list(engine.model.towers))
     assert set(plan) <= set(full) and len(plan) < len(full)
     kinds = {(g.kind, g.greedy) for g in plan}
-    assert ("prefill", True) in kinds and ("prefill", False) in kinds  # one greedy, one sampled prompt
+    assert ("head", True) in kinds and ("head", False) in kinds  # one greedy, one sampled prompt
+    assert {g.rows for g in plan if g.kind == "head"} == {1, 2}  # alone or side by side
     assert ("decode", True) in kinds and ("decode", False) in kinds
     results = engine.generate(reqs)  # compiles the plan, then runs with the guard on: error if anything else compiles
     assert all(r.error is None for r in results)
     assert exe.warm == set(plan) and exe.graphs_since_warmup() == 0
     # a later call with a shape not seen yet compiles just that, before it runs
-    more = engine.generate({"prompt": "word " * 25, "max_new_tokens": 2})  # a longer prefill bucket
+    more = engine.generate({"prompt_token_ids": [5] * 10, "max_new_tokens": 2})  # a shorter prefill bucket (32)
     assert more.error is None and exe.graphs_since_warmup() == 0
     assert len(exe.warm) > len(plan)
     # the same tokens as an engine that compiled every bucket up front
@@ -49,7 +50,7 @@ def test_cli_default_compiles_what_the_requests_need(qwen2_vl_ckpt, image_files,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     plan = [line for line in p.stderr.splitlines() if line.startswith("mmzoo: compiling")]
-    assert len(plan) == 1 and "prefill" in plan[0] and "decode" in plan[0] and "encode vision" in plan[0]
+    assert len(plan) == 1 and all(k in plan[0] for k in ("encode vision", "prefill", "head b", "decode"))
     assert "warmup compiled" not in p.stderr  # no every-bucket warmup
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all("error" not in r and r["graphs_compiled_after_warmup"] == 0 for r in rows)
@@ -66,7 +67,7 @@ def test_engine_warm_compiles_what_generate_then_runs(qwen2_vl_ckpt, image_files
             {"prompt": "word " * 200}]  # longer than max_model_len: skipped
     engine.warm(reqs)
     compiled = exe.compiled_graphs()
-    assert compiled > 0 and {g.kind for g in exe.warm} == {"encode", "prefill", "decode"}
+    assert compiled > 0 and {g.kind for g in exe.warm} == {"encode", "prefill", "head", "decode"}
     assert any(g.kind == "decode" and g.rows == 2 for g in exe.warm)  # two requests can run side by side
     results = engine.generate(reqs[:2])
     assert all(r.error is None for r in results) and exe.compiled_graphs() == compiled

@@ -30,7 +30,8 @@ import torch
 from mmzoo.buckets import round_up
 from mmzoo.errors import MmzooError
 from mmzoo.executor.scheduler import Drain, Scheduler, Sequence
-from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling, decode_step, encode_step, prefill_step
+from mmzoo.executor.steps import (DecodeInputs, PrefillInputs, Sampling, decode_step, encode_step, head_step,
+                                  prefill_step)
 from mmzoo.lms import KVCache
 from mmzoo.types import DTYPES, Prepared, Result, TowerInput
 
@@ -89,6 +90,11 @@ class Executor:
         that many slots (the scheduler fills the lowest free slot first); here all of them."""
         return self.max_batch
 
+    def prefill_rows(self, n: int) -> int:
+        """The rows of the head step of a prefill step that packs ``n`` prompts (its first token's
+        LM head and sampling: :func:`~mmzoo.executor.steps.head_step`); here all ``max_batch``."""
+        return self.max_batch
+
     def max_media_rows(self) -> int:
         """Rows of the media buffer: every placeholder of the longest prompt, plus padding room."""
         return self.max_model_len
@@ -131,7 +137,7 @@ class Executor:
 
     def run_step(self, key, fn: Callable[..., tuple], inputs: list[torch.Tensor], state: str) -> list[torch.Tensor]:
         """Run the device step ``fn(*inputs) -> outputs``, which updates the executor's ``state``
-        ("cache": the KV cache, "media": the media buffer) in place. ``key`` names the step's
+        ("cache": the KV cache, "media": the media buffer, None: nothing) in place. ``key`` names the step's
         static shape; the XLA executor replays the compiled graph of each key after its first call."""
         self.step_begin()
         return list(fn(*inputs))
@@ -330,20 +336,38 @@ class Executor:
 
     @torch.no_grad()
     def prefill(self, inputs: PrefillInputs, sampling: Sampling | None = None) -> torch.Tensor:
-        """The packed prompts into their cache slots; returns each prompt's first token ``[rows]``
-        (on the device; the first ``inputs.count`` are real)."""
-        rows = len(inputs.slots)
-        sampling = sampling or Sampling.greedy_rows(rows)
-        floats = [] if sampling.greedy else [self._tensor(sampling.floats())]
+        """The packed prompts into their cache slots; returns each prompt's first token
+        ``[prefill_rows(count)]`` (on the device; the first ``inputs.count`` are real; ``sampling``
+        has that many rows). Two steps: :meth:`prefill_hidden`, then :meth:`prefill_head`."""
+        hidden = self.prefill_hidden(inputs)
+        self.step_done()  # the layers' graph ends here: the head is a graph of its own
+        return self.prefill_head(hidden, self.prefill_rows(inputs.count), sampling)
+
+    @torch.no_grad()
+    def prefill_hidden(self, inputs: PrefillInputs) -> torch.Tensor:
+        """The layers' step of a prefill: writes the prompts' keys and values, returns the hidden
+        states at their last positions ``[max_batch, dim]`` (on the device)."""
         window = inputs.window
 
         def step(*args):
             return (prefill_step(self.model, self.cache, window, *args),)
 
-        args = [self._tensor(inputs.token_rows()), self._tensor(inputs.prompt_rows(sampling.top_k)), self.media]
-        (token,) = self.run_step(("prefill", len(inputs.input_ids), window, sampling.greedy), step, args + floats,
-                                 "cache")
-        return token
+        args = [self._tensor(inputs.token_rows()), self._tensor(inputs.prompt_rows()), self.media]
+        (hidden,) = self.run_step(("prefill", len(inputs.input_ids), window), step, args, "cache")
+        return hidden
+
+    @torch.no_grad()
+    def prefill_head(self, hidden: torch.Tensor, rows: int, sampling: Sampling | None = None) -> torch.Tensor:
+        """The head's step of a prefill: the first token of the first ``rows`` prompts from
+        :meth:`prefill_hidden`'s output -> ``[rows]`` (on the device)."""
+        sampling = sampling or Sampling.greedy_rows(rows)
+        extra = [] if sampling.greedy else [self._tensor(sampling.top_k), self._tensor(sampling.floats())]
+
+        def step(hidden, *extra):
+            return (head_step(self.model, rows, hidden, *extra),)
+
+        (tokens,) = self.run_step(("head", rows, sampling.greedy), step, [hidden] + extra, None)
+        return tokens
 
     @torch.no_grad()
     def prompt_logits(self, prepared: Prepared) -> np.ndarray:
@@ -571,7 +595,7 @@ class Generation:
             seqs = [seq for i, seq in enumerate(seqs) if i not in failed]
             if inputs is None:
                 return
-            first = exe.prefill(inputs, exe.sampling_for(dict(enumerate(seqs)), exe.max_batch))
+            first = exe.prefill(inputs, exe.sampling_for(dict(enumerate(seqs)), exe.prefill_rows(len(seqs))))
             exe.step_done()
             tokens = first.cpu().numpy()
         except MmzooError as e:

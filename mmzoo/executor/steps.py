@@ -2,7 +2,10 @@
 
 These are the compiled units (gpt-fast keeps its per-step functions the same way): each takes the
 model, the state it updates in place (the KV cache or the media buffer) and its inputs, all
-already padded to a bucket, so one graph serves every call of that shape. The executor
+already padded to a bucket, so one graph serves every call of that shape. A prefill is two
+steps, as in vLLM's TPU runner: the prompts through the layers (a graph per token bucket), then
+the LM head and the sampling head on the first token's rows (a graph per row bucket), so the
+graphs add up instead of multiplying and one prompt's head computes one row. The executor
 (:mod:`mmzoo.executor.base`) prepares the inputs on the host, moves them once and runs these,
 traced or as replayed graphs.
 
@@ -25,7 +28,7 @@ from mmzoo.executor._sampling import greedy, sample
 DECODE_ROWS = ("use_prev", "token", "write", "rope", "top_k")  # the int64 rows of a decode step, in order
 SAMPLING_ROWS = ("temperature", "top_p", "uniform")  # the float32 rows of a sampling head, in order
 PREFILL_TOKEN_ROWS = ("input_ids", "mm_index", "segment", "write_slot", "write_pos")  # then the rotary axes
-PREFILL_PROMPT_ROWS = ("slot", "last", "top_k")  # a packed prefill's int64 rows per prompt
+PREFILL_PROMPT_ROWS = ("slot", "last")  # a packed prefill's int64 rows per prompt
 
 
 @dataclass
@@ -113,9 +116,9 @@ class PrefillInputs:
         return np.concatenate([np.stack([self.input_ids, self.mm_index, self.segment, self.write_slot,
                                          self.write_pos]), self.positions]).astype(np.int64)
 
-    def prompt_rows(self, top_k: np.ndarray) -> np.ndarray:
-        """``[3, rows]`` int64 in :data:`PREFILL_PROMPT_ROWS` order."""
-        return np.stack([self.slots, self.last, top_k]).astype(np.int64)
+    def prompt_rows(self) -> np.ndarray:
+        """``[2, rows]`` int64 in :data:`PREFILL_PROMPT_ROWS` order."""
+        return np.stack([self.slots, self.last]).astype(np.int64)
 
 
 @dataclass
@@ -158,22 +161,33 @@ def encode_step(model, media: torch.Tensor, tower: str | None, names: list[str],
     return emb.shape[0]
 
 
-def prefill_step(model, cache, window: int | None, tokens: torch.Tensor, prompts: torch.Tensor, media: torch.Tensor,
-                 *floats: torch.Tensor) -> torch.Tensor:
+def prefill_step(model, cache, window: int | None, tokens: torch.Tensor, prompts: torch.Tensor,
+                 media: torch.Tensor) -> torch.Tensor:
     """Packed prompts (:class:`PrefillInputs`): ``tokens`` is its :meth:`~PrefillInputs.token_rows`
     and ``prompts`` its :meth:`~PrefillInputs.prompt_rows` on the device, ``window`` its
     :attr:`~PrefillInputs.window`. Merges token and media embeddings, resets each prompt's slot
     (nothing of its previous sequence stays) and writes the prompt's keys and values there, each
-    prompt attending to itself only; picks every prompt's first token from its last position ->
-    ``[rows]``."""
+    prompt attending to itself only -> the last layer's hidden state at every prompt's last
+    position ``[rows, dim]``, for :func:`head_step`."""
     ids, index, segment, write_slot, write_pos = (tokens[PREFILL_TOKEN_ROWS.index(n)][None] for n in PREFILL_TOKEN_ROWS)
     positions = tokens[len(PREFILL_TOKEN_ROWS):, None]  # [axes, 1, s]
-    slots, last, top_k = (prompts[PREFILL_PROMPT_ROWS.index(n)] for n in PREFILL_PROMPT_ROWS)
+    slots, last = (prompts[PREFILL_PROMPT_ROWS.index(n)] for n in PREFILL_PROMPT_ROWS)
     view = cache.prefill(slots, write_pos, token_slots=write_slot)
-    logits = model(ids, positions, mm_embeds=media, mm_index=index, cache=view,
+    hidden = model(ids, positions, mm_embeds=media, mm_index=index, cache=view,
                    attn_kwargs={"q_segment_ids": segment, "kv_segment_ids": segment, "window": window},
-                   logits_index=last[None])
-    return _head(logits[0], top_k, floats)
+                   logits_index=last[None], head=False)
+    return hidden[0]
+
+
+def head_step(model, rows: int, hidden: torch.Tensor, *sampling: torch.Tensor) -> torch.Tensor:
+    """The first token of a prefill step's first ``rows`` prompts from :func:`prefill_step`'s
+    ``hidden [prompts, dim]``: the final norm, the LM head, then the greedy head, or the sampling
+    head with ``sampling = (top_k [rows], floats [3, rows])`` (:meth:`Sampling.floats`) -> ``[rows]``."""
+    logits = model.lm.logits(hidden[:rows])
+    if not sampling:
+        return greedy(logits)
+    top_k, floats = sampling
+    return _head(logits, top_k, (floats,))
 
 
 def decode_step(model, cache, kv_len: int, prev: torch.Tensor, rows: torch.Tensor, *floats: torch.Tensor) -> torch.Tensor:

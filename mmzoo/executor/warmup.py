@@ -2,9 +2,9 @@
 
 Two plans. :func:`plan` enumerates every graph of the executor's buckets (``warmup=all``: a
 server, the benchmark, where requests come later): each tower at each input-row bucket, the
-precomputed-embeddings write at each row bucket, the prompt at each prefill bucket and the decode
-step at each KV-length and row bucket, the last two with a greedy and a sampling head (and a
-prefill bucket's windowed graph, where it has one). :func:`needed` takes
+precomputed-embeddings write at each row bucket, the prompts' layers at each prefill bucket (and
+a bucket's windowed graph, where it has one), the prefill's head at each row bucket and the
+decode step at each KV-length and row bucket, the last two with a greedy and a sampling head. :func:`needed` takes
 prepared requests and returns only the graphs they can hit (``warmup=needed``: a one-shot CLI run
 or a requests file, known up front). :func:`run` compiles a plan on all-padding typed inputs.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling
@@ -22,8 +23,9 @@ from mmzoo.types import TowerInput
 
 @dataclass(frozen=True)
 class Graph:
-    """One compiled step: its kind (encode, embeds, prefill, decode), tower, bucket, head, a
-    prefill's attention window (:attr:`PrefillInputs.window`) and a decode step's rows."""
+    """One compiled step: its kind (encode, embeds, prefill, head, decode), tower, bucket, head
+    (greedy or sampling: a prefill's head step and decode), a prefill's attention window
+    (:attr:`PrefillInputs.window`) and the rows of a head or decode step."""
 
     kind: str
     size: int
@@ -33,10 +35,12 @@ class Graph:
     rows: int | None = None
 
     def __str__(self) -> str:
-        head = "" if self.kind in ("encode", "embeds") else "/greedy" if self.greedy else "/sample"
+        head = "" if self.kind in ("encode", "embeds", "prefill") else "/greedy" if self.greedy else "/sample"
         window = f" w{self.window}" if self.window else ""
         if self.kind == "decode":
             return f"decode b{self.rows}/kv{self.size}{head}"
+        if self.kind == "head":
+            return f"head b{self.rows}{head}"
         return f"{self.kind}{' ' + self.tower if self.tower else ''} {self.size}{window}{head}"
 
 
@@ -45,8 +49,9 @@ def plan(executor, towers: list[str]) -> list[Graph]:
     build their dummy inputs)."""
     out = [Graph("encode", rows, tower) for tower in towers for rows in executor.tower_buckets(tower)]
     out += [Graph("embeds", rows) for rows in executor.default_encoder_buckets]
-    out += [Graph("prefill", s, greedy=g, window=w) for s in executor.prefill_buckets
-            for w in dict.fromkeys([None, executor.window_of(s)]) for g in (True, False)]
+    out += [Graph("prefill", s, window=w) for s in executor.prefill_buckets
+            for w in dict.fromkeys([None, executor.window_of(s)])]
+    out += [Graph("head", r, greedy=g, rows=r) for r in executor.decode_batch_buckets for g in (True, False)]
     out += [Graph("decode", kv, greedy=g, rows=b) for b in executor.decode_batch_buckets
             for kv in executor.decode_kv_buckets for g in (True, False)]
     return out
@@ -55,7 +60,7 @@ def plan(executor, towers: list[str]) -> list[Graph]:
 def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     """The graphs a run of ``prepared`` can use, in :func:`plan`'s order: each media call's encode
     (or embeddings) bucket; with ``generate``, the prefill bucket of every run of prompts one step
-    can pack, with its requests' head, and every decode KV bucket between the shortest prompt's
+    can pack, with its head's rows and its requests' head, and every decode KV bucket between the shortest prompt's
     first step and the longest sequence's last, with the heads the requests sample with (a batch
     is greedy only when all its rows are). A request whose shapes fit no bucket adds nothing: it
     fails alone when it runs."""
@@ -94,12 +99,17 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     budget = executor.prefill_budget()
     for i in range(len(prompts)):
         tokens, longest, greedy = 0, 0, True
-        for n, g in prompts[i:i + executor.max_batch]:
+        for k, (n, g) in enumerate(prompts[i:i + executor.max_batch], start=1):
             tokens, longest, greedy = tokens + n, max(longest, n), greedy and g
             if tokens > budget:
                 break
             s = executor.prefill_len(tokens)
-            out.add(Graph("prefill", s, greedy=greedy, window=executor.prefill_window(s, longest)))
+            out.add(Graph("prefill", s, window=executor.prefill_window(s, longest)))
+            # the head's rows hold the prompts that encoded their media; one failing leaves fewer
+            # (and a batch whose sampled prompts failed is greedy)
+            top = executor.prefill_rows(k)
+            rows = [b for b in executor.decode_batch_buckets if b <= top] if k > 1 else [top]
+            out |= {Graph("head", r, greedy=h, rows=r) for r in rows for h in ({greedy, True} if k > 1 else {greedy})}
     if lo is not None:
         buckets = executor.decode_kv_buckets
         first, last = executor.decode_kv_len(lo), executor.decode_kv_len(hi)
@@ -109,7 +119,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
         # greedy always: a sampling batch whose sampling rows all finished decodes greedily
         for kv in (b for b in buckets if first <= b <= last):
             out |= {Graph("decode", kv, greedy=g, rows=r) for g in heads | {True} for r in slots}
-    order = {"encode": 0, "embeds": 1, "prefill": 2, "decode": 3}
+    order = {"encode": 0, "embeds": 1, "prefill": 2, "head": 3, "decode": 4}
     return sorted(out, key=lambda g: (order[g.kind], g.tower or "", g.rows or 0, g.size, g.window or 0, not g.greedy))
 
 
@@ -144,10 +154,14 @@ def run(executor, graphs: list[Graph], dummy_media: Callable[[str, int], TowerIn
         elif g.kind == "prefill":
             inputs = PrefillInputs.zeros(g.size, axes, executor.max_batch, executor.max_model_len)
             inputs.window = g.window
-            out = executor.prefill(inputs, _sampling(executor.max_batch, g.greedy))
+            out = executor.prefill_hidden(inputs)
+        elif g.kind == "head":
+            hidden = executor._tensor(np.zeros((executor.max_batch, executor.model.lm.dim), np.float32),
+                                      executor.dtype)
+            out = executor.prefill_head(hidden, g.rows, _sampling(g.rows, g.greedy))
         else:
             out = executor.decode(DecodeInputs.zeros(g.rows, g.size), _sampling(g.rows, g.greedy))
         executor.step_done()
-        if g.kind in ("prefill", "decode"):
+        if g.kind in ("prefill", "head", "decode"):
             out.cpu()
         executor.warm.add(g)

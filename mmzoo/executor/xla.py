@@ -58,7 +58,9 @@ class XLAExecutor(Executor):
         decode_batch_buckets: rows of a decode step: it runs the first ``n`` KV-cache slots, the
             smallest bucket holding every running slot (the scheduler fills the lowest free slot
             first), so a batch-1 step pays for one row, not ``max_batch`` (on the XLA CPU client a
-            64M-parameter step cost ~9 ms at 1 row and ~19 ms at 8). ``max_batch`` is always one.
+            64M-parameter step cost ~9 ms at 1 row and ~19 ms at 8). A prefill's head step (the
+            LM head and sampling of its prompts' first tokens) takes the bucket holding its
+            prompts. ``max_batch`` is always one.
             Default (``"auto"``): ``[1, max_batch]`` on the XLA CPU client without a mesh (one
             request alone runs one row; each bucket adds a graph per KV bucket and head to
             ``warmup=all``, so finer ones are left to an explicit list); elsewhere doubling from
@@ -230,10 +232,12 @@ class XLAExecutor(Executor):
         return [m.attn_fn for m in model.lm.modules() if isinstance(m, Attention)]
 
     # -- steps: traced once, then replayed ----------------------------------------------------
-    def _state(self, name: str) -> list[torch.Tensor]:
-        return self.cache.k + self.cache.v if name == "cache" else [self.media]
+    def _state(self, name: str | None) -> list[torch.Tensor]:
+        return self.cache.k + self.cache.v if name == "cache" else [self.media] if name == "media" else []
 
-    def _hold(self, name: str, tensors: list[torch.Tensor]) -> None:
+    def _hold(self, name: str | None, tensors: list[torch.Tensor]) -> None:
+        if name is None:
+            return
         if name == "cache":
             n = len(self.cache.k)
             self.cache.k[:], self.cache.v[:] = tensors[:n], tensors[n:]
@@ -292,6 +296,9 @@ class XLAExecutor(Executor):
 
     def decode_rows(self, n: int) -> int:
         return pick(self.decode_batch_buckets, n, "decode rows (KV-cache slots)")
+
+    def prefill_rows(self, n: int) -> int:
+        return pick(self.decode_batch_buckets, max(n, 1), "prefill head rows (prompts)")
 
     def max_media_rows(self) -> int:
         largest = max([self.default_encoder_buckets[-1]] + [b[-1] for b in self.encoder_buckets.values()])

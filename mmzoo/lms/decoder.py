@@ -55,7 +55,7 @@ class DecoderLM(nn.Module):
         return self.embed_tokens.num_embeddings
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, *, cache=None,
-                attn_kwargs=None, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+                attn_kwargs=None, logits_index: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
         """Run the decoder and return logits.
 
         Args:
@@ -65,9 +65,12 @@ class DecoderLM(nn.Module):
             attn_kwargs: masking arguments for the backend (``q_positions``, ``kv_lengths``, ...).
             logits_index: ``[b]`` the one position per row to compute logits at, ``[b, n]`` the
                 ``n`` positions per row (prompts packed in a row), or None for all.
+            head: False: return the last layer's hidden states at those positions instead, for
+                :meth:`logits` to finish (an executor running the LM head as a step of its own).
 
         Returns:
-            ``[b, s, vocab]`` logits, or ``[b, vocab]`` / ``[b, n, vocab]`` with ``logits_index``.
+            ``[b, s, vocab]`` logits, or ``[b, vocab]`` / ``[b, n, vocab]`` with ``logits_index``
+            (``dim`` instead of ``vocab`` without ``head``).
         """
         rope = self.rotary(positions)
         x = inputs_embeds
@@ -76,7 +79,11 @@ class DecoderLM(nn.Module):
         if logits_index is not None:
             rows = torch.arange(x.shape[0], device=x.device)
             x = x[rows if logits_index.dim() == 1 else rows[:, None], logits_index]  # [b, dim] / [b, n, dim]
-        return self.lm_head(self.norm(x)).float()
+        return self.logits(x) if head else x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head: ``[..., dim]`` last-layer hidden states -> float32 ``[..., vocab]``."""
+        return self.lm_head(self.norm(hidden)).float()
 
 
 # ---------------------------------------------------------------- component builders (conf/lm/*.yaml)

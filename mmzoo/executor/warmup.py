@@ -124,7 +124,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
 
 
 def describe(graphs: list[Graph]) -> str:
-    """``encode vision 256, prefill 128/greedy, decode b1/kv128/greedy``: a plan in one line."""
+    """``encode vision 256, prefill 128, head b1/greedy, decode b1/kv128/greedy``: a plan in one line."""
     return ", ".join(str(g) for g in graphs)
 
 

@@ -201,8 +201,9 @@ class XLAExecutor(Executor):
             self.step_done()
 
     def prepare_model(self, model) -> None:
-        """Stack q/k/v and gate/up into one linear each (``fuse_projections``) and tabulate the LM's
-        rotary (``rotary_table``), on the host copy before it is placed (and then held transposed)."""
+        """Stack q/k/v and gate/up into one linear each (``fuse_projections``) and tabulate the
+        rotaries of the LM and the towers (``rotary_table``), on the host copy before it is placed
+        (and then held transposed)."""
         from mmzoo.executor import _layout
 
         if self._cpu_alone() if self.fuse_projections == "auto" else self.fuse_projections:

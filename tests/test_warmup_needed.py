@@ -40,6 +40,20 @@ def test_needed_plan_is_a_subset_of_all_and_the_run_compiles_nothing_more(qwen2_
     assert [r.token_ids for r in full_engine.generate(reqs)] == [r.token_ids for r in results]
 
 
+
+def test_a_run_that_only_samples_compiles_no_greedy_graph(qwen2_vl_ckpt):
+    """Every decode batch and every head of a run whose requests all sample has a sampling row, so
+    no greedy head or decode graph is compiled; the run passes with the guard on."""
+    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", warmup="needed", on_recompile="error", **SMALL)
+    reqs = [{"prompt": "Say something.", "max_new_tokens": 4, "temperature": 0.8, "seed": 1},
+            {"prompt": "Say more.", "max_new_tokens": 6, "temperature": 0.5, "top_k": 5, "seed": 2}]
+    plan = warmup.needed(engine.executor, [engine.prepare(mmzoo.Request.parse(r)) for r in reqs])
+    assert {(g.kind, g.greedy) for g in plan if g.kind in ("head", "decode")} == {("head", False), ("decode", False)}
+    results = engine.generate(reqs)
+    assert all(r.error is None and len(r.token_ids) > 0 for r in results)
+    assert engine.executor.warm == set(plan) and engine.executor.graphs_since_warmup() == 0
+
+
 def test_cli_default_compiles_what_the_requests_need(qwen2_vl_ckpt, image_files, tmp_path):
     reqs = tmp_path / "reqs.jsonl"
     reqs.write_text("\n".join(json.dumps({"prompt": f"Q{i}", "images": [image_files[i % 3]], "max_new_tokens": 3})

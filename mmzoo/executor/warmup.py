@@ -62,8 +62,8 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     (or embeddings) bucket; with ``generate``, the prefill bucket of every run of prompts one step
     can pack, with its head's rows and its requests' head, and every decode KV bucket between the shortest prompt's
     first step and the longest sequence's last, with the heads the requests sample with (a batch
-    is greedy only when all its rows are). A request whose shapes fit no bucket adds nothing: it
-    fails alone when it runs."""
+    is greedy only when all its rows are, so a run whose requests all sample compiles no greedy
+    graph). A request whose shapes fit no bucket adds nothing: it fails alone when it runs."""
     from mmzoo.buckets import round_up
     from mmzoo.errors import MmzooError
 
@@ -98,26 +98,27 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     # as slots free up) within the token budget
     budget = executor.prefill_budget()
     for i in range(len(prompts)):
-        tokens, longest, greedy = 0, 0, True
+        tokens, longest, greedy, any_greedy = 0, 0, True, False
         for k, (n, g) in enumerate(prompts[i:i + executor.max_batch], start=1):
-            tokens, longest, greedy = tokens + n, max(longest, n), greedy and g
+            tokens, longest, greedy, any_greedy = tokens + n, max(longest, n), greedy and g, any_greedy or g
             if tokens > budget:
                 break
             s = executor.prefill_len(tokens)
             out.add(Graph("prefill", s, window=executor.prefill_window(s, longest)))
             # the head's rows hold the prompts that encoded their media; one failing leaves fewer
-            # (and a batch whose sampled prompts failed is greedy)
+            # (and a run whose sampled prompts all failed is greedy, if it has a greedy one)
             rows = [b for b in executor.decode_batch_buckets if b <= executor.prefill_rows(k)]
-            out |= {Graph("head", r, greedy=h, rows=r) for r in rows for h in ({greedy, True} if k > 1 else {greedy})}
+            out |= {Graph("head", r, greedy=h, rows=r) for r in rows for h in {greedy, any_greedy}}
     if lo is not None:
         buckets = executor.decode_kv_buckets
         first, last = executor.decode_kv_len(lo), executor.decode_kv_len(hi)
         # the slots of the running sequences: the lowest free first, so below min(requests, max_batch),
         # and the highest running one anywhere below that as sequences finish
         slots = [b for b in executor.decode_batch_buckets if b <= executor.decode_rows(min(len(prompts), executor.max_batch))]
-        # greedy always: a sampling batch whose sampling rows all finished decodes greedily
+        # a decode batch is some of the running sequences: greedy where a greedy request can be
+        # among them alone, sampling where a sampling one can be among them
         for kv in (b for b in buckets if first <= b <= last):
-            out |= {Graph("decode", kv, greedy=g, rows=r) for g in heads | {True} for r in slots}
+            out |= {Graph("decode", kv, greedy=g, rows=r) for g in heads for r in slots}
     order = {"encode": 0, "embeds": 1, "prefill": 2, "head": 3, "decode": 4}
     return sorted(out, key=lambda g: (order[g.kind], g.tower or "", g.rows or 0, g.size, g.window or 0, not g.greedy))
 

@@ -298,6 +298,41 @@ def test_fused_projections_compute_the_separate_ones():
     torch.testing.assert_close(mlp(x), want_mlp, rtol=0, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "pallas"])
+def test_last_layer_runs_at_the_wanted_positions_only(backend):
+    """With ``logits_index`` the LM's last layer computes queries, attention output and MLP at those
+    positions only: the logits equal the full forward's at them (one position per row, and several
+    per row with packed prompts' segment ids), and every layer's keys and values reach the cache."""
+    from mmzoo.lms import qwen2
+
+    torch.manual_seed(0)
+    lm = qwen2(vocab_size=50, dim=32, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_dim=48,
+               attention=backend).eval()
+    x, positions = torch.randn(2, 12, 32), torch.arange(12).expand(1, 2, 12)
+
+    class Cache:  # keeps what each layer writes
+        def __init__(self):
+            self.kv = {}
+
+        def update(self, layer, k, v):
+            self.kv[layer] = (k, v)
+            return k, v
+
+    seg = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3] * 2)
+    for kwargs, index in (({}, torch.tensor([11, 6])),
+                          ({"q_segment_ids": seg, "kv_segment_ids": seg}, torch.tensor([[4, 8, 11], [4, 8, 11]]))):
+        with torch.no_grad():
+            full_cache, cut_cache = Cache(), Cache()
+            full = lm(x, positions, cache=full_cache, attn_kwargs=kwargs)
+            cut = lm(x, positions, cache=cut_cache, attn_kwargs=kwargs, logits_index=index)
+        rows = torch.arange(2) if index.dim() == 1 else torch.arange(2)[:, None]
+        torch.testing.assert_close(cut, full[rows, index], rtol=0, atol=1e-5)
+        for layer in range(3):
+            for a, b in zip(cut_cache.kv[layer], full_cache.kv[layer]):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_steps_replay_their_compiled_graphs(xla_engine, qwen2_vl_ckpt, image_files, monkeypatch):
     """After warmup every step (encode at each bucket, prefill at each bucket, its head and
     decode at each row bucket; greedy and sampling heads) runs as its compiled graph, never traced

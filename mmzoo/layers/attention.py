@@ -57,8 +57,8 @@ class Attention(nn.Module):
         self.qkv_proj = fused
 
     def forward(self, x: torch.Tensor, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache=None, attn_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
-        """``x [b, s, dim]`` -> ``[b, s, dim]``.
+                cache=None, attn_kwargs: dict[str, Any] | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [b, s, dim]`` -> ``[b, s, dim]`` (``[b, n, dim]`` with ``rows``).
 
         Args:
             rope: ``(cos, sin)`` from :class:`mmzoo.layers.rotary.Rotary`, or None.
@@ -68,6 +68,9 @@ class Attention(nn.Module):
                 (``q_segment_ids``, ``kv_segment_ids``, ``q_positions``, ``kv_lengths``); with
                 ``window`` (prompts packed in a row, none longer than it), the backend's
                 :meth:`~mmzoo.backends._base.AttentionBackend.windowed` form.
+            rows: ``[b, n]`` the positions of ``x`` whose outputs are wanted: every position's keys
+                and values are computed (and cached), the queries only at ``rows`` (their
+                ``q_positions`` and ``q_segment_ids`` taken at ``rows``; no window).
         """
         b, s, _ = x.shape
         if self.qkv_proj is not None:
@@ -84,6 +87,12 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)
         kwargs = dict(attn_kwargs or {})
         window = kwargs.pop("window", None)
+        if rows is not None:
+            q, s, window = take_rows(q.transpose(1, 2), rows).transpose(1, 2), rows.shape[1], None
+            qpos = kwargs.get("q_positions")
+            kwargs["q_positions"] = rows if qpos is None else take_rows(qpos, rows)
+            if kwargs.get("q_segment_ids") is not None:
+                kwargs["q_segment_ids"] = take_rows(kwargs["q_segment_ids"], rows)
         if window:  # packed prompts of at most `window` tokens each (an executor's layout)
             if not self.causal:
                 raise ValueError("attention: a window applies to causal attention over packed prompts")
@@ -92,3 +101,8 @@ class Attention(nn.Module):
             out = self.attn_fn(q, k, v, scale=self.scale, causal=self.causal, **kwargs)
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # [b, s, hq * d]
         return self.o_proj(out)
+
+
+def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x [b, s, ...]`` at ``rows [b, n]`` (positions along ``s``, per batch row) -> ``[b, n, ...]``."""
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], rows]

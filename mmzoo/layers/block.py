@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmzoo.layers.attention import Attention
+from mmzoo.layers.attention import Attention, take_rows
 from mmzoo.layers.mlp import MLP
 from mmzoo.layers.norm import layer_norm
 
@@ -22,8 +22,15 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.norm1, self.attn, self.norm2, self.mlp = norm1, attn, norm2, mlp
 
-    def forward(self, x: torch.Tensor, *, rope=None, cache=None, attn_kwargs=None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope=rope, cache=cache, attn_kwargs=attn_kwargs)
+    def forward(self, x: torch.Tensor, *, rope=None, cache=None, attn_kwargs=None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [b, s, dim]`` -> ``[b, s, dim]``; with ``rows [b, n]`` only those positions' outputs
+        ``[b, n, dim]`` (every position's keys and values still reach the cache)."""
+        if rows is None:
+            x = x + self.attn(self.norm1(x), rope=rope, cache=cache, attn_kwargs=attn_kwargs)
+        else:
+            x = take_rows(x, rows) + self.attn(self.norm1(x), rope=rope, cache=cache, attn_kwargs=attn_kwargs,
+                                               rows=rows)
         return x + self.mlp(self.norm2(x))
 
 

@@ -74,11 +74,18 @@ class DecoderLM(nn.Module):
         """
         rope = self.rotary(positions)
         x = inputs_embeds
-        for layer in self.layers:
-            x = layer(x, rope=rope, cache=cache, attn_kwargs=attn_kwargs)
-        if logits_index is not None:
-            rows = torch.arange(x.shape[0], device=x.device)
-            x = x[rows if logits_index.dim() == 1 else rows[:, None], logits_index]  # [b, dim] / [b, n, dim]
+        # the last layer computes its queries, attention output and MLP at the wanted positions only:
+        # nothing else reads them (its keys and values, which the cache keeps, come from its input)
+        rows = None if logits_index is None or x.shape[1] == 1 else \
+            logits_index[:, None] if logits_index.dim() == 1 else logits_index
+        for i, layer in enumerate(self.layers):
+            last = rows is not None and i == len(self.layers) - 1
+            x = layer(x, rope=rope, cache=cache, attn_kwargs=attn_kwargs, **({"rows": rows} if last else {}))
+        if rows is not None:
+            x = x[:, 0] if logits_index.dim() == 1 else x  # [b, dim] / [b, n, dim]
+        elif logits_index is not None:  # one position per row (a decode step)
+            b = torch.arange(x.shape[0], device=x.device)
+            x = x[b if logits_index.dim() == 1 else b[:, None], logits_index]
         return self.logits(x) if head else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -64,7 +64,9 @@ class DecoderLM(nn.Module):
             cache: a KV-cache view (see :mod:`mmzoo.lms.kv_cache`) or None.
             attn_kwargs: masking arguments for the backend (``q_positions``, ``kv_lengths``, ...).
             logits_index: ``[b]`` the one position per row to compute logits at, ``[b, n]`` the
-                ``n`` positions per row (prompts packed in a row), or None for all.
+                ``n`` positions per row (prompts packed in a row), or None for all. Given, the last
+                layer runs its queries, attention output and MLP at those positions only (every
+                position's keys and values still reach ``cache``).
             head: False: return the last layer's hidden states at those positions instead, for
                 :meth:`logits` to finish (an executor running the LM head as a step of its own).
 

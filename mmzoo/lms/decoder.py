@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mmzoo.layers import Attention, GatedMLP, RMSNorm, Rotary, TransformerBlock
+from mmzoo.layers.attention import take_rows
 
 
 class DecoderLM(nn.Module):
@@ -76,18 +77,17 @@ class DecoderLM(nn.Module):
         """
         rope = self.rotary(positions)
         x = inputs_embeds
+        rows = None if logits_index is None else logits_index[:, None] if logits_index.dim() == 1 else logits_index
         # the last layer computes its queries, attention output and MLP at the wanted positions only:
-        # nothing else reads them (its keys and values, which the cache keeps, come from its input)
-        rows = None if logits_index is None or x.shape[1] == 1 else \
-            logits_index[:, None] if logits_index.dim() == 1 else logits_index
+        # nothing else reads them (its keys and values, which the cache keeps, come from its input);
+        # a step of one position per row (decode) has nothing to cut
+        cut = rows is not None and x.shape[1] > 1
         for i, layer in enumerate(self.layers):
-            last = rows is not None and i == len(self.layers) - 1
+            last = cut and i == len(self.layers) - 1
             x = layer(x, rope=rope, cache=cache, attn_kwargs=attn_kwargs, **({"rows": rows} if last else {}))
         if rows is not None:
+            x = x if cut else take_rows(x, rows)  # [b, n, dim]
             x = x[:, 0] if logits_index.dim() == 1 else x  # [b, dim] / [b, n, dim]
-        elif logits_index is not None:  # one position per row (a decode step)
-            b = torch.arange(x.shape[0], device=x.device)
-            x = x[b if logits_index.dim() == 1 else b[:, None], logits_index]
         return self.logits(x) if head else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """No request can touch another: a sequence's tokens depend only on its own inputs, whatever ran in
 its KV-cache slot before and whatever shares its decode batch.
 
-A slot is poisoned directly (NaN in every key and value of every layer, written through the host
-so no graph is compiled; the XLA executor with a matmul backend holds the keys transposed, the
-slot is the first axis in both layouts), or by a request whose embeddings are huge finite values;
-then good requests that land in that slot, or decode beside it, must give exactly the token ids
-they gave alone on the fresh engine. Each engine serves every test of its parameters (module
+A slot is poisoned by a write of NaN keys and values at every position of every layer, through
+the KV cache's own write path (run on a host copy of the cache, so no graph is compiled; the XLA
+executor with a matmul backend holds the keys transposed), or by a request whose embeddings are
+huge finite values; then good requests that land in that slot, or decode beside it, must give
+exactly the token ids they gave alone on the fresh engine. A prompt does not clear its slot, so
+this holds only because the cache stores non-finite values as 0. Each engine serves every test of its parameters (module
 fixtures), at a small ``max_model_len`` and a few tokens.
 
 The LMs' RMSNorm (float32 statistics) maps any finite residual to bounded activations, so the huge
@@ -20,6 +21,7 @@ import torch
 
 import mmzoo
 from mmzoo.backends import resolve
+from mmzoo.lms import KVCache
 
 MAX_LEN = 64
 XLA = dict(prefill_buckets=[16, 32], min_decode_kv=32, min_encoder_rows=16, max_encoder_rows=16,
@@ -50,13 +52,25 @@ def _tokens(engine, requests) -> list[list[int]]:
 
 
 def poison(executor, slot: int) -> None:
-    """NaN in every key and value of ``slot`` in every layer, through the host (no graph compiled)."""
+    """What a request whose keys and values turned NaN would leave: NaN written at every position
+    of ``slot`` in every layer through :class:`KVCache`'s write path, on a host copy of the cache
+    (no graph compiled), then put back on the device."""
     cache = executor.cache
-    for held in (cache.k, cache.v):
-        for i, t in enumerate(held):
-            host = t.cpu().clone()
-            host[slot] = float("nan")  # the slot is the first axis of keys (either layout) and values
-            held[i] = host.to(t.device)
+    k0 = cache.k[0]
+    host = KVCache(num_layers=len(cache.k), num_slots=cache.num_slots, num_kv_heads=cache.v[0].shape[1],
+                   max_len=cache.max_len, head_dim=cache.v[0].shape[3], dtype=k0.dtype,
+                   keys_transposed=cache.keys_transposed)
+    for held, mine in ((cache.k, host.k), (cache.v, host.v)):
+        for t, h in zip(held, mine):
+            h.copy_(t.cpu())
+    positions = torch.arange(cache.max_len)[None]
+    view = host.prefill(torch.tensor([slot]), positions)
+    nan = torch.full((1, host.v[0].shape[1], cache.max_len, host.v[0].shape[3]), float("nan"), dtype=k0.dtype)
+    for layer in range(len(host.k)):
+        view.update(layer, nan, nan)
+    for held, mine in ((cache.k, host.k), (cache.v, host.v)):
+        for i, (t, h) in enumerate(zip(held, mine)):
+            held[i] = h.to(t.device)
 
 
 def huge_request(engine, **kw):
@@ -171,3 +185,26 @@ def test_pallas_kernels_select_away_the_keys_no_query_sees(sq):
         got = backend(q, _poisoned(k, visible), _poisoned(v, visible), **kw)
         same = torch.isfinite(clean).all() and torch.equal(got, clean)
         assert same, f"{backend}: {int((got != clean).sum())} of {got.numel()} outputs changed"
+
+
+# ---------------------------------------------------------------- the cache alone
+
+@pytest.mark.parametrize("keys_transposed", [False, True], ids=["keys", "keys-transposed"])
+def test_the_cache_stores_what_a_prompt_writes_finite_and_leaves_the_rest(keys_transposed):
+    """A prompt's write stores NaN and infinities as 0 and touches nothing past the prompt or in
+    other slots (no clearing: attention hides the previous sequence's positions)."""
+    cache = KVCache(num_layers=2, num_slots=2, num_kv_heads=2, max_len=8, head_dim=4, dtype=torch.float32,
+                    keys_transposed=keys_transposed)
+    for t in cache.k + cache.v:
+        t.fill_(7.0)  # what earlier sequences left
+    k = torch.tensor([float("nan"), float("inf"), -float("inf"), 2.0]).expand(1, 2, 3, 4)
+    v = torch.tensor([1.0, float("nan"), 3.0, -float("inf")]).expand(1, 2, 3, 4)
+    view = cache.prefill(torch.tensor([1]), torch.arange(3)[None])
+    for layer in range(2):
+        view.update(layer, k, v)
+    for layer in range(2):
+        keys, values = cache.keys(layer), cache.v[layer]
+        assert torch.equal(keys[1, :, :3], torch.tensor([0.0, 0.0, 0.0, 2.0]).expand(2, 3, 4))
+        assert torch.equal(values[1, :, :3], torch.tensor([1.0, 0.0, 3.0, 0.0]).expand(2, 3, 4))
+        assert (keys[1, :, 3:] == 7).all() and (values[1, :, 3:] == 7).all()
+        assert (keys[0] == 7).all() and (values[0] == 7).all()

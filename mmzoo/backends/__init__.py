@@ -23,8 +23,8 @@ A query row that sees no key at all returns zeros.
 Hidden keys leave the scores by selection, so their keys may hold anything. Their values still
 meet zero weights in the dense backends' (sdpa, eager) ``weights @ v``, and ``0 * NaN`` is NaN:
 selecting them away would be one more pass over every key of every decode step, so a hidden
-value must be finite. The executors' KV cache ensures it (a slot's row is reset when a prompt
-takes it, :meth:`mmzoo.lms.KVCache.reset`). The Pallas kernels also cut the values past each
+value must be finite. The executors' KV cache ensures it (it stores every non-finite key or value
+as 0, :func:`mmzoo.lms.kv_cache.finite`). The Pallas kernels also cut the values past each
 tile's last visible key by selection, in the one tile that holds it.
 """
 

@@ -481,8 +481,8 @@ class Generation:
 
     One decode step stays in flight: step N+1 is launched (its input tokens taken from step N's
     device output) before step N's tokens are read back. A sequence that stops at step N has had
-    step N+1 computed for it too; that token is dropped (its cache slot is reset by the next
-    prompt's prefill).
+    step N+1 computed for it too; that token is dropped (the next prompt in its slot writes over
+    its key and value, or attention hides them).
 
     Not thread-safe: one thread drives it (:meth:`add`, :meth:`cancel`, :meth:`step`).
 

@@ -79,7 +79,7 @@ class PrefillInputs:
     segment: np.ndarray  # [s] which prompt each token belongs to (padding: one more)
     write_slot: np.ndarray  # [s] the KV-cache slot each token is written into
     write_pos: np.ndarray  # [s] and the cache position
-    slots: np.ndarray  # [rows] the slot each prompt fills (reset first)
+    slots: np.ndarray  # [rows] the slot each prompt fills
     last: np.ndarray  # [rows] each prompt's last token: its first new token is sampled there
     count: int  # real prompts
     window: int | None = None  # attention in windows of this many tokens (no prompt longer; the executor's choice)
@@ -165,10 +165,9 @@ def prefill_step(model, cache, window: int | None, tokens: torch.Tensor, prompts
                  media: torch.Tensor) -> torch.Tensor:
     """Packed prompts (:class:`PrefillInputs`): ``tokens`` is its :meth:`~PrefillInputs.token_rows`
     and ``prompts`` its :meth:`~PrefillInputs.prompt_rows` on the device, ``window`` its
-    :attr:`~PrefillInputs.window`. Merges token and media embeddings, resets each prompt's slot
-    (nothing of its previous sequence stays) and writes the prompt's keys and values there, each
-    prompt attending to itself only -> the last layer's hidden state at every prompt's last
-    position ``[rows, dim]``, for :func:`head_step`."""
+    :attr:`~PrefillInputs.window`. Merges token and media embeddings and writes each prompt's keys
+    and values into its slot, each prompt attending to itself only -> the last layer's hidden state
+    at every prompt's last position ``[rows, dim]``, for :func:`head_step`."""
     ids, index, segment, write_slot, write_pos = (tokens[PREFILL_TOKEN_ROWS.index(n)][None] for n in PREFILL_TOKEN_ROWS)
     positions = tokens[len(PREFILL_TOKEN_ROWS):, None]  # [axes, 1, s]
     slots, last = (prompts[PREFILL_PROMPT_ROWS.index(n)] for n in PREFILL_PROMPT_ROWS)

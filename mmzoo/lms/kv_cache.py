@@ -4,20 +4,22 @@ The cache holds ``[num_slots, kv_heads, max_len, head_dim]`` keys and values per
 holds one sequence; writing at explicit positions keeps every shape static, so one compiled
 graph serves every step. Attention layers see a *view* with ``update(layer_idx, k, v)``:
 
-* :class:`PrefillView` writes a prompt's keys into its slot and lets the prompt attend to itself;
-  :meth:`KVCache.prefill` first resets the slot's whole row in every layer, so nothing of the
-  slot's previous sequence is left (see below).
+* :class:`PrefillView` writes a prompt's keys into its slot and lets the prompt attend to itself.
 * :class:`DecodeView` writes one (or a few) new tokens per slot of the first ``b`` slots (all
   by default) and attends over the first ``kv_len`` positions of their rows (the whole row by
   default); the causal rule with
   ``q_positions`` hides everything past each sequence's length. An executor that knows no
   sequence is longer than ``kv_len`` passes it, so attention reads only that part of the cache.
 
-Hidden positions are still read: a dense attention (sdpa, eager) multiplies their values by zero
-weights, and ``0 * NaN`` is NaN. So a slot must never hold another sequence's keys and values
-past its own: a previous request whose activations turned non-finite would otherwise reach every
-later request in that slot. The reset is one fill of the slot's row per layer at prefill (in the
-prefill graph, at a static shape); no decode step pays for it.
+A prompt does not clear its slot: past its own length the slot keeps what the previous sequence
+left there, and attention hides those positions. Hidden positions are still read: a dense
+attention (sdpa, eager) multiplies their values by zero weights, and ``0 * NaN`` is NaN. So the
+cache holds finite numbers only: every write stores a non-finite key or value as 0 (one select per
+written element, fused into the write). A request whose activations turned non-finite therefore
+leaves zeros, not NaN, for the later requests of its slot (its own outputs are already
+non-finite). A prefill costs what its prompts write, whatever ``max_len`` is; clearing the slot
+instead (one fill of its row per layer) made a 64-token prefill 19% slower at ``max_len=1024``
+and 2.4x slower at 4096 on the bench model (docs/benchmarks.md).
 
 With ``keys_transposed`` the keys are held as ``[num_slots, kv_heads, head_dim, max_len]``. An
 attention that multiplies ``q @ k^T`` then finds ``k^T`` already in memory: XLA's CPU dot wants
@@ -62,7 +64,8 @@ class KVCache:
         return slots.expand(shape), heads.expand(shape), positions.view(b, 1, s).expand(shape)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, index: tuple[torch.Tensor, ...]):
-        # k, v: [b, hkv, s, d] -> cache[slot, h, pos] = k[:, h]
+        # k, v: [b, hkv, s, d] -> cache[slot, h, pos] = k[:, h], non-finite entries stored as 0
+        k, v = finite(k), finite(v)
         if self.keys_transposed:  # cache[slot, h, :, pos] = k[:, h], every axis indexed (see write_index)
             shape = k.shape
             dims = torch.arange(shape[-1], device=k.device).view(1, 1, 1, shape[-1]).expand(shape)
@@ -72,19 +75,11 @@ class KVCache:
             self.k[layer].index_put_(index, k)
         self.v[layer].index_put_(index, v)
 
-    def reset(self, slots: torch.Tensor):
-        """Zero every key and value of ``slots [b]`` in every layer: nothing of the sequences that
-        held them is left. A fill over the slot axis, at a static shape."""
-        for k, v in zip(self.k, self.v):
-            k.index_fill_(0, slots, 0)
-            v.index_fill_(0, slots, 0)
-
     def prefill(self, slots: torch.Tensor, positions: torch.Tensor,
                 token_slots: torch.Tensor | None = None) -> "PrefillView":
-        """Reset ``slots [b]`` (:meth:`reset`) and return a view writing ``[b, s]`` prompt positions
-        into them: row ``i`` into ``slots[i]``, or each token into its own ``token_slots [b, s]``
-        (prompts packed in one row; ``slots`` then lists every slot they fill)."""
-        self.reset(slots)
+        """A view writing ``[b, s]`` prompt positions into ``slots [b]`` (row ``i`` into
+        ``slots[i]``), or each token into its own ``token_slots [b, s]`` (prompts packed in one
+        row). The rest of each slot is left as it is (see the module's notes)."""
         return PrefillView(self, slots if token_slots is None else token_slots, positions)
 
     def decode(self, positions: torch.Tensor, kv_len: int | None = None) -> "DecodeView":
@@ -95,8 +90,7 @@ class KVCache:
 
 
 class PrefillView:
-    """Write a fresh prompt into its slots (reset by :meth:`KVCache.prefill`); attention uses the
-    prompt's own keys."""
+    """Write a prompt into its slots; attention uses the prompt's own keys."""
 
     def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor):
         self.cache, self.slots, self.positions = cache, slots, positions
@@ -133,3 +127,8 @@ class DecodeView(PrefillView):
         if self.kv_len is None or self.kv_len == self.cache.max_len:
             return keys, values
         return keys[:, :, : self.kv_len], values[:, :, : self.kv_len]
+
+
+def finite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with every NaN and infinity replaced by 0: what a KV cache stores (see the module's notes)."""
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)

@@ -17,9 +17,10 @@ attention (sdpa, eager) multiplies their values by zero weights, and ``0 * NaN``
 cache holds finite numbers only: every write stores a non-finite key or value as 0 (one select per
 written element, fused into the write). A request whose activations turned non-finite therefore
 leaves zeros, not NaN, for the later requests of its slot (its own outputs are already
-non-finite). A prefill costs what its prompts write, whatever ``max_len`` is; clearing the slot
-instead (one fill of its row per layer) made a 64-token prefill 19% slower at ``max_len=1024``
-and 2.4x slower at 4096 on the bench model (docs/benchmarks.md).
+non-finite). A prefill costs what its prompts write, whatever ``max_len`` is. Clearing the slots
+instead (a fill of each prompt entry's row in every layer, at a static shape: all ``max_batch``
+entries of the step) made a one-prompt prefill of 64 tokens on the bench model 1.26x slower at
+``max_len=1024`` and 2.7x slower at 4096 (docs/benchmarks.md).
 
 With ``keys_transposed`` the keys are held as ``[num_slots, kv_heads, head_dim, max_len]``. An
 attention that multiplies ``q @ k^T`` then finds ``k^T`` already in memory: XLA's CPU dot wants

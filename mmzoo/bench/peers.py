@@ -8,7 +8,8 @@ cache_implementation="static")`` with the model's ``forward`` compiled by ``torc
 see a dynamic cache), is compiled in an untimed first call at each batch size, then timed.
 
 Every system runs each batch size once untimed (compiling), then ``repeats`` timed rounds go
-round all the systems in turn (so the machine's drift over the run falls on each alike); the
+round all the systems, in a new (seeded) order each round (so the machine's drift over the run
+falls on each alike, and no system always follows the same one); the
 figures are the medians: prefill (time to the first token of a batch), decode tok/s (batch / the median gap
 between tokens), and the ratios to the compiled peer. A peer that cannot run says why.
 """
@@ -131,9 +132,16 @@ def run(cfg: DictConfig, checkpoint, hf_class: str) -> list[dict]:
             except Exception as e:  # noqa: BLE001
                 errors[system, b] = _short(e)
     runs = {key: [] for key in first if key not in errors}
+    systems = list(dict.fromkeys(system for system, _ in runs))
+    shuffle = np.random.default_rng(0)
     for r in range(repeats):
         say(f"peers: timed round {r + 1}/{repeats}")
-        for system, b in list(runs):
+        # the systems in a new order each round (seeded), so none always runs right after the same
+        # one: a system's worker threads can still be spinning when the next one starts
+        order = [systems[i] for i in shuffle.permutation(len(systems))]
+        for system, b in [(system, b) for system in order for b in batches]:
+            if (system, b) not in runs:
+                continue
             try:
                 runs[system, b].append(peers[system].run(prompts[b], new))
             except Exception as e:  # noqa: BLE001

@@ -6,8 +6,8 @@ the KV cache's own write path (run on a host copy of the cache, so no graph is c
 executor with a matmul backend holds the keys transposed), or by a request whose embeddings are
 huge finite values; then good requests that land in that slot, or decode beside it, must give
 exactly the token ids they gave alone on the fresh engine. A prompt does not clear its slot, so
-this holds only because the cache stores non-finite values as 0. Each engine serves every test of its parameters (module
-fixtures), at a small ``max_model_len`` and a few tokens.
+this holds only because the cache stores non-finite values as 0. Each engine serves every test of
+its parameters (module fixtures), at a small ``max_model_len`` and a few tokens.
 
 The LMs' RMSNorm (float32 statistics) maps any finite residual to bounded activations, so the huge
 request leaves finite keys and values in its slot with these models; the direct poisoning is what

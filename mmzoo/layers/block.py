@@ -26,11 +26,8 @@ class TransformerBlock(nn.Module):
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """``x [b, s, dim]`` -> ``[b, s, dim]``; with ``rows [b, n]`` only those positions' outputs
         ``[b, n, dim]`` (every position's keys and values still reach the cache)."""
-        if rows is None:
-            x = x + self.attn(self.norm1(x), rope=rope, cache=cache, attn_kwargs=attn_kwargs)
-        else:
-            x = take_rows(x, rows) + self.attn(self.norm1(x), rope=rope, cache=cache, attn_kwargs=attn_kwargs,
-                                               rows=rows)
+        residual = x if rows is None else take_rows(x, rows)
+        x = residual + self.attn(self.norm1(x), rope=rope, cache=cache, attn_kwargs=attn_kwargs, rows=rows)
         return x + self.mlp(self.norm2(x))
 
 

@@ -84,7 +84,7 @@ class DecoderLM(nn.Module):
         cut = rows is not None and x.shape[1] > 1
         for i, layer in enumerate(self.layers):
             last = cut and i == len(self.layers) - 1
-            x = layer(x, rope=rope, cache=cache, attn_kwargs=attn_kwargs, **({"rows": rows} if last else {}))
+            x = layer(x, rope=rope, cache=cache, attn_kwargs=attn_kwargs, rows=rows if last else None)
         if rows is not None:
             x = x if cut else take_rows(x, rows)  # [b, n, dim]
             x = x[:, 0] if logits_index.dim() == 1 else x  # [b, dim] / [b, n, dim]

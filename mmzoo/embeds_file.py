@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -18,13 +17,14 @@ TENSOR_FIELDS = ("image_embeds", "image_grid_thw", "video_embeds", "video_grid_t
 
 
 def fingerprint(weights: dict[str, torch.Tensor]) -> str:
-    """sha256 over the names, dtypes, shapes and bytes of the encoder and adapter weights."""
-    h = hashlib.sha256()
-    for name in sorted(weights):
-        t = weights[name].detach().contiguous().cpu()
-        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:32]
+    """sha256 over the names, dtypes, shapes and bytes of the encoder and adapter weights
+    (:class:`mmzoo._weights.Fingerprint`: the loader computes the same one as it reads them)."""
+    from mmzoo._weights import Fingerprint
+
+    fp = Fingerprint()
+    for name, t in weights.items():
+        fp.add(name, t)
+    return fp.hexdigest()
 
 
 def write(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:

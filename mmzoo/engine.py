@@ -9,8 +9,10 @@ random init when ``weights=random``), and handed to the executor.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -20,9 +22,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from mmzoo import _weights
 from mmzoo import config as _config
 from mmzoo import embeds_file
-from mmzoo.checkpoint import load_strict, read_safetensors
 from mmzoo.config import read_config
 from mmzoo.errors import MmzooError, find_mmzoo_error
 from mmzoo.executor import Drain, Executor
@@ -300,20 +302,22 @@ def describe(cfg: DictConfig, model: MultimodalLM) -> str:
     return " ".join(parts)
 
 
-def build_model(cfg: DictConfig, *, attention=None, towers: bool = True):
+def build_model(cfg: DictConfig, *, attention=None, towers: bool = True, empty: bool = False):
     """``(family, MultimodalLM)`` from ``cfg.model``: the family node and the components instantiated
-    (random init, seeded by ``cfg.init_seed``), each LM/encoder with its configured backend unless
-    ``attention`` (a backend object) replaces the pipeline-wide one."""
+    (random init, seeded by ``cfg.init_seed``; ``empty``: parameters on the meta device, for the
+    checkpoint to fill), each LM/encoder with its configured backend unless ``attention`` (a
+    backend object) replaces the pipeline-wide one."""
     mcfg = cfg.model
     family = instantiate_part(mcfg.family, "model.family")
     torch.manual_seed(int(cfg.get("init_seed", 0)))
     parts = {}
-    for name in COMPONENTS:
-        if name != "lm" and not towers:
-            continue
-        node = mcfg[name]
-        kwargs = {"attention": attention} if attention is not None and _uses_root_attention(node) else {}
-        parts[name] = instantiate_part(node, f"model.{name}", **kwargs)
+    with _weights.parameters_on_meta() if empty else contextlib.nullcontext():
+        for name in COMPONENTS:
+            if name != "lm" and not towers:
+                continue
+            node = mcfg[name]
+            kwargs = {"attention": attention} if attention is not None and _uses_root_attention(node) else {}
+            parts[name] = instantiate_part(node, f"model.{name}", **kwargs)
     lm = parts["lm"]
     axes = lm.rotary.num_axes
     if family.position_axes != axes:
@@ -321,6 +325,54 @@ def build_model(cfg: DictConfig, *, attention=None, towers: bool = True):
                          f"(an M-RoPE LM needs mrope_section; a 1-D RoPE LM a family without M-RoPE)")
     tower = {family.tower: Tower(encoder=parts["encoder"], adapter=parts["adapter"])} if towers else {}
     return family, MultimodalLM(lm=lm, towers=tower)
+
+
+def check_memory(exe: Executor, model: MultimodalLM, dtype: str, *, verbose: bool = False) -> dict[str, int]:
+    """The memory ``exe.setup`` will allocate for ``model`` in ``dtype`` (:meth:`Executor.memory_plan`),
+    printed when ``verbose``; a plan larger than the memory available to the executor's device is
+    refused before anything is allocated, naming what to lower."""
+    plan = exe.memory_plan(model, dtype)
+    need = sum(plan.values())
+    free = exe.memory_available()
+    kv = (f"KV cache {_gb(plan['kv_cache'])} (max_batch={exe.max_batch} x max_model_len={exe.max_model_len} "
+          f"x {model.lm.num_layers} layers)")
+    line = (f"weights {_gb(plan['weights'])} ({dtype}) + {kv} + media buffer {_gb(plan['media'])} = {_gb(need)}"
+            + (f"; {_gb(free)} available" if free is not None else ""))
+    if verbose:
+        print(f"mmzoo: memory plan: {line}", file=sys.stderr)
+    if free is not None and need > free:
+        lower = ["dtype=bfloat16 (half the weights and the KV cache)"] if dtype == "float32" else []
+        lower.append(f"executor.max_model_len (now {exe.max_model_len}) or executor.max_batch (now {exe.max_batch}) "
+                     f"for the KV cache")
+        raise MmzooError(f"the model does not fit: it needs {_gb(need)} ({line.split(' = ')[0]}) but {_gb(free)} "
+                         f"of memory is available; lower {', or '.join(lower)}")
+    return plan
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+class _LoadReport:
+    """Says what the loader is doing: a line per quarter of the weights placed, then the total."""
+
+    def __init__(self, checkpoint: Path | None, verbose: bool):
+        self.checkpoint, self.verbose, self.next, self.bytes = checkpoint, verbose, 0.25, 0
+        self.t0 = time.perf_counter()
+
+    def progress(self, done: int, total: int) -> None:
+        self.bytes = done
+        if self.verbose and self.checkpoint is not None and total >= 1e9 and done / total >= self.next and done < total:
+            print(f"mmzoo: loading weights: {_gb(done)} of {_gb(total)} placed "
+                  f"({time.perf_counter() - self.t0:.1f} s)", file=sys.stderr, flush=True)
+            while done / total >= self.next:
+                self.next += 0.25
+
+    def done(self, secs: float, dtype: str) -> None:
+        if self.verbose:
+            what = f"from {self.checkpoint}" if self.checkpoint is not None else "(weights=random)"
+            print(f"mmzoo: placed {_gb(self.bytes)} of weights ({dtype}) {what} in {secs:.1f} s",
+                  file=sys.stderr, flush=True)
 
 
 def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, towers: bool = True,
@@ -362,27 +414,30 @@ def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, 
     dtype = str(cfg.get("dtype", "float32"))
     if dtype not in DTYPES:
         raise MmzooError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
-    family, model = build_model(cfg, attention=attention, towers=towers)
+    family, model = build_model(cfg, attention=attention, towers=towers, empty=weights == "checkpoint")
     exe = executor if executor is not None else instantiate_part(cfg.executor, "executor")
     if verbose:
         print(f"mmzoo: model={name} {describe(cfg, model)} executor={exe.describe()} dtype={dtype}", file=sys.stderr)
+    fp, state, on_load = _weights.Fingerprint(), None, None
     if weights == "checkpoint":
-        state = family.convert_weights(read_safetensors(checkpoint))
+        state = family.convert_weights(_weights.checkpoint_tensors(checkpoint))  # headers only: nothing read yet
         if model.lm.tie_word_embeddings:
             state.pop("lm.lm_head.weight", None)  # the embedding is the head
-        tower_state = {k: v for k, v in state.items() if k.startswith("towers.")}
-        fingerprint = embeds_file.fingerprint(tower_state)
-        if not towers:
-            state = {k: v for k, v in state.items() if not k.startswith("towers.")}
-        load_strict(model, state, source=str(checkpoint))
+        if not towers:  # the tower weights are only hashed (embeddings files are checked against them)
+            for key in [k for k in state if k.startswith("towers.")]:
+                fp.add(key, _weights.load(state.pop(key)))
+        _weights.check_names(_weights.parameter_shapes(model), state, source=str(checkpoint),
+                             optional=set(_weights.tied_aliases(model)))
+        on_load = lambda key, t: fp.add(key, t) if key.startswith("towers.") else None  # noqa: E731
     else:
-        fingerprint = embeds_file.fingerprint(model.towers.state_dict()) if towers else "random"
+        random_fingerprint = embeds_file.fingerprint(model.towers.state_dict()) if towers else "random"
         print(f"mmzoo: weights=random: the modules keep their seeded random init (init_seed="
               f"{cfg.get('init_seed', 0)}); {checkpoint} gives only the config, tokenizer and processor", file=sys.stderr)
     for tower in model.towers:  # towers whose rows are whole items: the executor config wins
         sizes = family.encoder_buckets(max_model_len=exe.max_model_len, max_media_rows=exe.max_media_rows())
         if sizes is not None:
             exe.encoder_buckets.setdefault(tower, sorted(int(n) for n in sizes))
+    check_memory(exe, model, dtype, verbose=verbose)
     mesh = mesh_option(cfg.get("mesh"))
     if mesh is not None and mesh.spmd:  # validated against the modules before anything is placed
         exe.use_mesh(mesh, model, plan=family.tp_plan)
@@ -390,7 +445,12 @@ def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, 
             print(f"mmzoo: {exe.sharding.describe()}", file=sys.stderr)
     processor = AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True)
     eos = _eos_ids(checkpoint, hf_config, processor.tokenizer)
-    exe.setup(model, dtype=dtype, eos_token_ids=eos, take_ownership=True)  # built for this executor alone
+    t0 = time.perf_counter()
+    report = _LoadReport(checkpoint if weights == "checkpoint" else None, verbose)
+    exe.setup(model, dtype=dtype, eos_token_ids=eos, take_ownership=True,  # built for this executor alone
+              weights=state, on_load=on_load, progress=report.progress)
+    report.done(time.perf_counter() - t0, dtype)
+    fingerprint = fp.hexdigest() if weights == "checkpoint" else random_fingerprint
     if exe.do_warmup:
         secs = exe.warmup(lambda tower, rows: family.dummy_media(rows))
         if verbose:

@@ -30,14 +30,15 @@ class _StoredTransposed(nn.Module):
         return weight.t().contiguous()
 
 
-def hold_linears_transposed(model: nn.Module) -> int:
-    """Store every ``nn.Linear`` weight of ``model`` as ``[in, out]``; returns how many.
+def hold_linears_transposed(model: nn.Module, *, recurse: bool = True) -> int:
+    """Store every ``nn.Linear`` weight of ``model`` (``recurse=False``: ``model`` itself only) as
+    ``[in, out]``; returns how many.
 
     A weight tied to an embedding (a tied LM head) gets its own transposed copy, so the embedding
     lookup and the head each read their best layout (the copy costs that weight's memory once).
     """
     n = 0
-    for module in model.modules():
+    for module in model.modules() if recurse else [model]:
         if isinstance(module, nn.Linear) and not parametrize.is_parametrized(module, "weight"):
             parametrize.register_parametrization(module, "weight", _StoredTransposed(), unsafe=True)
             n += 1

@@ -116,8 +116,14 @@ class Executor:
         return False
 
     def prepare_model(self, model) -> None:
-        """Lay out the executor's copy of the model before it is placed (the XLA executor fuses
-        projections here)."""
+        """Prepare the executor's model before its weights are placed (buffers: the XLA executor
+        tabulates the rotaries here)."""
+
+    def layout(self, unit, whole: bool) -> None:
+        """Lay out one unit of the model on the host, after its weights are read and before they are
+        placed (:func:`mmzoo._weights.materialize`): ``unit`` with everything under it (an attention
+        or gated MLP, ``whole``), or a module's own parameters. The XLA executor fuses projections and
+        transposes linear weights here."""
 
     def shard(self) -> None:
         """Annotate the placed weights and KV cache with a device-mesh sharding (the XLA executor
@@ -143,20 +149,36 @@ class Executor:
         return list(fn(*inputs))
 
     # -- setup -----------------------------------------------------------------------------
-    def setup(self, model, *, dtype: str = "float32", eos_token_ids=(), take_ownership: bool = False) -> None:
-        """Place a copy of ``model`` on the device in ``dtype`` (``self.model``); allocate the KV cache
-        and the media buffer. The caller's module is left as it was, unless ``take_ownership`` (the
-        engine, which built the module for this executor alone): then it is laid out and placed in
-        place, without a copy."""
+    def setup(self, model, *, dtype: str = "float32", eos_token_ids=(), take_ownership: bool = False,
+              weights=None, on_load=None, progress=None) -> None:
+        """Place ``model`` on the device in ``dtype`` (``self.model``), laid out for this executor
+        (:meth:`layout`); allocate the KV cache and the media buffer.
+
+        Args:
+            model: the pipeline. With ``weights``, its parameters are on the meta device
+                (:func:`mmzoo._weights.parameters_on_meta`) and ``weights`` gives their values.
+            take_ownership: lay out and place ``model`` itself (the engine, which built it for this
+                executor alone); else a copy is, and the caller's module is left as it was.
+            weights: ``name -> tensor or LazyTensor`` under ``model``'s parameter names (checked
+                already), read and placed unit by unit (:func:`mmzoo._weights.materialize`): the
+                host holds one unit's tensors at a time besides the placed weights.
+            on_load: ``(name, tensor)`` for each tensor of ``weights`` as it is read.
+            progress: ``(done_bytes, total_bytes)`` after each unit is placed.
+        """
+        from mmzoo import _weights
+        from mmzoo.layers import Attention, GatedMLP
+
         if dtype not in DTYPES:
             raise MmzooError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
         self.dtype = DTYPES[dtype]
         dev = self.device()
-        model = model if take_ownership else copy.deepcopy(model)
+        if weights is None:
+            model = model if take_ownership else copy.deepcopy(model)
+            weights = {name: p.data for name, p in model.named_parameters()}
+        model = model.eval()
         self.prepare_model(model)
-        model = model.eval().to(dev)
-        for p in model.parameters():  # parameters only: rotary frequency buffers stay float32
-            p.data = p.data.to(self.dtype)
+        _weights.materialize(model, weights, dtype=self.dtype, device=dev, layout=self.layout,
+                             whole=(Attention, GatedMLP), on_load=on_load, progress=progress)
         self.model = model
         lm = model.lm
         self.cache = KVCache(num_layers=lm.num_layers, num_slots=self.max_batch, num_kv_heads=lm.num_kv_heads,
@@ -167,6 +189,26 @@ class Executor:
         self._encoded_rows: dict = {}  # encode step key -> embedding rows it writes
         self.shard()
         self.step_done()  # materialize weights and buffers, so no step graph contains their creation
+
+    def memory_plan(self, model, dtype: str) -> dict[str, int]:
+        """Bytes :meth:`setup` will allocate for ``model`` (built, parameters possibly on the meta
+        device) in ``dtype``: ``weights`` (as this executor lays them out), ``kv_cache``, ``media``."""
+        size = DTYPES[dtype].itemsize
+        lm = model.lm
+        weights = sum(p.numel() * (size if p.is_floating_point() else p.element_size())
+                      for p in model.parameters())
+        weights += self.layout_extra_params(model) * size
+        kv = 2 * lm.num_layers * self.max_batch * lm.num_kv_heads * self.max_model_len * lm.head_dim * size
+        return {"weights": weights, "kv_cache": kv, "media": self.max_media_rows() * lm.dim * size}
+
+    def memory_available(self) -> int | None:
+        """Bytes of memory the device can still give (None: unknown). The CPU: the host's available
+        memory (``MemAvailable``)."""
+        return host_memory_available()
+
+    def layout_extra_params(self, model) -> int:
+        """Parameters :meth:`layout` adds to ``model``'s (a tied head given a layout of its own)."""
+        return 0
 
     def _tensor(self, array, dtype=None) -> torch.Tensor:
         return torch.as_tensor(np.ascontiguousarray(array), dtype=dtype).to(self.device())
@@ -613,3 +655,15 @@ class Generation:
         if self.inflight is not None:
             self.inflight[0].cpu()
             self.inflight = None
+
+
+def host_memory_available() -> int | None:
+    """The host memory available to new allocations (Linux's ``MemAvailable``), or None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -168,20 +168,19 @@ class XLAExecutor(Executor):
 
         self._xla = torch_xla
 
-    def setup(self, model, *, dtype: str = "float32", eos_token_ids=(), take_ownership: bool = False) -> None:
-        transpose = self._cpu_alone() if self.transpose_weights == "auto" else self.transpose_weights
-        if transpose and self.sharding is not None:
+    def setup(self, model, *, dtype: str = "float32", eos_token_ids=(), take_ownership: bool = False,
+              weights=None, on_load=None, progress=None) -> None:
+        if self.transpose_weights is True and self.sharding is not None:
             raise ValueError("transpose_weights=true is not supported with a device mesh (the sharding rules "
                              "name [out, in] weights); use auto or false")
         if self.replay_steps is True and self.sharding is not None:
             raise ValueError("replay_steps=true is not supported with a device mesh; use auto or false")
-        from mmzoo.executor import _layout
-
         for tower, module in model.towers.items():  # towers whose input rows are whole items (images, clips)
             per = getattr(module.encoder, "rows_per_item", None)
             if tower not in self.encoder_buckets and per:
                 self.encoder_buckets[tower] = doubling(1, max(1, min(MAX_ITEMS_PER_CALL, self.max_media_rows() // per)))
-        super().setup(model, dtype=dtype, eos_token_ids=eos_token_ids, take_ownership=take_ownership)
+        super().setup(model, dtype=dtype, eos_token_ids=eos_token_ids, take_ownership=take_ownership,
+                      weights=weights, on_load=on_load, progress=progress)
         self.replaying = self.sharding is None if self.replay_steps == "auto" else bool(self.replay_steps)
         skipping = all(getattr(b, "skips_past_length", False) for b in self._lm_backends(self.model))
         self.decode_kv_buckets = self._kv_buckets or (
@@ -196,23 +195,40 @@ class XLAExecutor(Executor):
         if self.windowed_prefill == "auto":
             self.windowed_prefill = not all(getattr(b, "skips_masked_blocks", False)
                                             for b in self._lm_backends(self.model))
-        if transpose:
-            _layout.hold_linears_transposed(self.model)
-            self.step_done()
+
+    def _transposing(self) -> bool:
+        return self._cpu_alone() if self.transpose_weights == "auto" else bool(self.transpose_weights)
+
+    def _fusing(self) -> bool:
+        return self._cpu_alone() if self.fuse_projections == "auto" else bool(self.fuse_projections)
 
     def prepare_model(self, model) -> None:
-        """Stack q/k/v and gate/up into one linear each (``fuse_projections``) and tabulate the
-        rotaries of the LM and the towers (``rotary_table``), on the host copy before it is placed
-        (and then held transposed)."""
-        from mmzoo.executor import _layout
-
-        if self._cpu_alone() if self.fuse_projections == "auto" else self.fuse_projections:
-            _layout.fuse_projections(model)
+        """Tabulate the rotaries of the LM and the towers (``rotary_table``) before the model is placed."""
         if self.rotary_table in ("auto", True):
             model.lm.rotary.tabulate(self.max_model_len)
             for name, tower in model.towers.items():
                 if getattr(tower.encoder, "rotary_input", None):
                     tower.encoder.rotary.tabulate(self.tower_buckets(name)[-1])
+
+    def layout(self, unit, whole: bool) -> None:
+        """Stack q/k/v and gate/up into one linear each (``fuse_projections``), then hold linear
+        weights transposed (``transpose_weights``), one unit at a time as it is read
+        (:mod:`mmzoo.executor._layout`)."""
+        from mmzoo.executor import _layout
+
+        if whole and self._fusing():
+            _layout.fuse_projections(unit)
+        if self._transposing():
+            _layout.hold_linears_transposed(unit, recurse=whole)
+
+    def memory_available(self) -> int | None:
+        """The host's available memory on the XLA CPU client; None on an accelerator (its memory is
+        known only once the runtime starts, which must wait for a mesh to be set up)."""
+        return super().memory_available() if os.environ.get("PJRT_DEVICE") == "CPU" else None
+
+    def layout_extra_params(self, model) -> int:
+        head = model.lm.lm_head
+        return head.weight.numel() if self._transposing() and model.lm.tie_word_embeddings else 0
 
     def hold_keys_transposed(self, model) -> bool:
         if self.transpose_keys is True and self.sharding is not None:

@@ -1,0 +1,350 @@
+"""Loading weights once, in place, in the run dtype.
+
+A checkpoint is read lazily: :func:`checkpoint_tensors` reads only the safetensors headers and gives
+a :class:`LazyTensor` per tensor (name, shape, dtype), whose bytes are read when it is loaded, each
+tensor on its own (the file is opened and closed around the read, so its pages do not stay mapped
+in the process). The pipeline's modules are built with their parameters on the meta device
+(:func:`parameters_on_meta`: no memory, no random init); :func:`materialize` then fills them unit by
+unit (an attention or gated MLP whole, or one module's own parameters): each tensor is read, cast
+to the run dtype, laid out by the executor (fused, transposed) and placed on the device before the
+next unit is read. At most one unit's tensors are on the host at a time, besides the placed weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from torch.nn.utils import parametrize
+
+from mmzoo.errors import MmzooError
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor of a safetensors file, read when :meth:`load` is called.
+
+    It answers ``shape`` and ``dtype`` (from the file's header) and :meth:`chunk`, so that a
+    family's :meth:`~mmzoo.models.Family.convert_weights` (renames, a fused qkv split in three) runs
+    on the checkpoint's names without reading a byte.
+
+    Attributes:
+        path: the safetensors file.
+        key: the tensor's name in it.
+        shape: the shape after ``part`` is taken.
+        dtype: its torch dtype.
+        part: ``(dim, start, stop)``: only that slice along ``dim`` (a chunk), or None.
+    """
+
+    path: Path
+    key: str
+    shape: torch.Size
+    dtype: torch.dtype
+    part: tuple[int, int, int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def chunk(self, chunks: int, dim: int = 0) -> list[LazyTensor]:
+        """``torch.chunk`` of the tensor, lazily (equal parts along ``dim``)."""
+        if self.part is not None:
+            raise NotImplementedError("LazyTensor.chunk of a chunk")
+        dim = dim % len(self.shape)
+        size = -(-self.shape[dim] // chunks)
+        out = []
+        for start in range(0, self.shape[dim], size):
+            stop = min(start + size, self.shape[dim])
+            shape = list(self.shape)
+            shape[dim] = stop - start
+            out.append(LazyTensor(self.path, self.key, torch.Size(shape), self.dtype, (dim, start, stop)))
+        return out
+
+    def contiguous(self) -> LazyTensor:
+        return self  # a loaded tensor is always contiguous
+
+    def load(self) -> torch.Tensor:
+        """The tensor's values (a host tensor of its own memory, in the file's dtype)."""
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                if self.part is None:
+                    return f.get_tensor(self.key)
+                dim, start, stop = self.part
+                index = (slice(None),) * dim + (slice(start, stop),)
+                return f.get_slice(self.key)[index].contiguous()
+        except (SafetensorError, OSError) as e:
+            raise MmzooError(f"checkpoint file {self.path} is not a readable safetensors file ({e}): it may be "
+                             f"truncated or corrupt") from None
+
+
+def load(t) -> torch.Tensor:
+    """The values of a :class:`LazyTensor` or of a tensor given as it is."""
+    return t.load() if isinstance(t, LazyTensor) else t
+
+
+def checkpoint_files(checkpoint: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: ``model.safetensors`` or the shards listed
+    in ``model.safetensors.index.json``; anything else is an :class:`MmzooError` saying what is there."""
+    root = Path(checkpoint)
+    index, single = root / "model.safetensors.index.json", root / "model.safetensors"
+    if index.is_file():
+        files = [root / name for name in _shards(index)]
+    elif single.is_file():
+        files = [single]
+    else:
+        pickles = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt"))
+        hint = f" (found {', '.join(pickles)}: pickle weights are not loaded; convert them to safetensors)" if pickles else ""
+        raise MmzooError(f"checkpoint {root} has no model.safetensors or model.safetensors.index.json{hint}")
+    for path in files:
+        if not path.is_file():
+            raise MmzooError(f"checkpoint shard {path} listed in {index.name} does not exist")
+    return files
+
+
+def _shards(index: Path) -> list[str]:
+    """The shard file names an index's ``weight_map`` lists (tensor name -> file name in the
+    checkpoint directory), refusing a malformed index and any file outside the directory."""
+    try:
+        raw = json.loads(index.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise MmzooError(f"{index} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or "weight_map" not in raw:
+        raise MmzooError(f"{index} has no weight_map (tensor name -> shard file name)")
+    weight_map = raw["weight_map"]
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise MmzooError(f"{index}: weight_map must map each tensor name to a shard file name, "
+                         f"got {json.dumps(weight_map)[:80]}")
+    for key, name in weight_map.items():
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise MmzooError(f"{index}: tensor {key} is in {name!r}, outside the checkpoint directory")
+    return sorted(set(weight_map.values()))
+
+
+def checkpoint_tensors(checkpoint: str | Path) -> dict[str, LazyTensor]:
+    """Every tensor of a checkpoint directory as a :class:`LazyTensor` (only the headers are read)."""
+    out: dict[str, LazyTensor] = {}
+    for path in checkpoint_files(checkpoint):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    s = f.get_slice(key)
+                    dtype = _DTYPES.get(s.get_dtype())
+                    if dtype is None:
+                        raise MmzooError(f"checkpoint file {path}: tensor {key} has dtype {s.get_dtype()}, "
+                                         f"which mmzoo does not load")
+                    out[key] = LazyTensor(path, key, torch.Size(s.get_shape()), dtype)
+        except (SafetensorError, OSError) as e:
+            raise MmzooError(f"checkpoint file {path} is not a readable safetensors file ({e}): it may be "
+                             f"truncated or corrupt") from None
+    return out
+
+
+def check_names(expected: Mapping[str, torch.Size], given: Mapping, *, source: str, optional=frozenset()) -> None:
+    """Refuse ``given`` (name -> tensor or :class:`LazyTensor`) unless it has exactly the names of
+    ``expected`` (name -> shape; ``optional`` ones may be absent) with their shapes, naming every
+    missing, unexpected or mis-shaped tensor."""
+    missing = sorted(set(expected) - set(given) - set(optional))
+    unexpected = sorted(set(given) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} tensors: {', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)} tensors: {', '.join(unexpected[:20])}"
+                        f"{' ...' if len(unexpected) > 20 else ''}")
+    shapes = [f"{k} {tuple(given[k].shape)} vs {tuple(v)}" for k, v in expected.items()
+              if k in given and tuple(given[k].shape) != tuple(v)]
+    if shapes:
+        problems.append(f"shape mismatch (checkpoint vs model): {'; '.join(shapes[:10])}")
+    if problems:
+        raise MmzooError(f"weights in {source} do not match the model: " + "; ".join(problems))
+
+
+# ------------------------------------------------------------------------------------- building empty
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory, no random init;
+    :func:`materialize` fills them), while buffers (rotary frequencies) are computed as usual.
+
+    Not thread-safe: it replaces ``nn.Module.register_parameter`` while it lasts."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def parameter_shapes(module: nn.Module) -> dict[str, torch.Size]:
+    """``name -> shape`` of every parameter (tied aliases included) and persistent buffer."""
+    out = {name: p.shape for name, p in module.named_parameters(remove_duplicate=False)}
+    non_persistent = {f"{prefix}{'.' if prefix else ''}{b}" for prefix, m in module.named_modules()
+                      for b in m._non_persistent_buffers_set}
+    out.update({name: b.shape for name, b in module.named_buffers() if name not in non_persistent})
+    return out
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """``alias -> name`` of the parameters shared under a second name (a tied LM head's weight is
+    the embedding's)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+# ------------------------------------------------------------------------------------- materializing
+
+def units(module: nn.Module, whole: tuple[type, ...], prefix: str = "") -> Iterator[tuple[str, nn.Module, bool]]:
+    """``(prefix, module, is_whole)`` in module order: a module of a ``whole`` type with everything
+    under it, or a module's own (direct) parameters."""
+    if isinstance(module, whole):
+        yield prefix, module, True
+        return
+    if any(p is not None for p in module._parameters.values()):
+        yield prefix, module, False
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from units(child, whole, f"{prefix}{name}.")
+
+
+def materialize(model: nn.Module, weights: Mapping, *, dtype: torch.dtype, device: torch.device,
+                layout: Callable[[nn.Module, bool], None] | None = None, whole: tuple[type, ...] = (),
+                on_load: Callable[[str, torch.Tensor], None] | None = None,
+                progress: Callable[[int, int], None] | None = None) -> int:
+    """Give every parameter of ``model`` its value from ``weights`` (name -> tensor or
+    :class:`LazyTensor`, under ``model``'s names), unit by unit (:func:`units`): read, cast to
+    ``dtype`` (floating point only), laid out by ``layout(unit, is_whole)`` (a whole unit, or a
+    module whose own parameters these are), placed on ``device``. A tied alias
+    (:func:`tied_aliases`) takes the placed tensor of its first name. ``on_load(name, tensor)`` sees
+    each tensor as read, before the cast; ``progress(done_bytes, total_bytes)`` is called after each
+    unit. Buffers are moved to ``device`` as they are.
+
+    The names and shapes should have been checked (:func:`check_names`). Returns the bytes placed."""
+    aliases = tied_aliases(model)
+    targets = set(aliases.values())
+    placed: dict[str, nn.Parameter] = {}
+    tied: list[tuple[nn.Module, str, nn.Parameter]] = []
+    total = sum(_nbytes(weights[n], dtype) for n, _ in model.named_parameters() if n in weights)
+    done = 0
+    for prefix, unit, is_whole in list(units(model, whole)):
+        names = ([n for n, _ in unit.named_parameters(remove_duplicate=False)] if is_whole else
+                 [n for n, p in unit._parameters.items() if p is not None])
+        for local in names:
+            full = prefix + local
+            name = aliases.get(full, full)
+            owner, leaf = _owner(unit, local)
+            if name in placed:  # the first name of a tied parameter, placed already: shared, unless the
+                # layout changes it (a layout re-binds the parameter object it is given: it gets one of its own)
+                owner._parameters[leaf] = nn.Parameter(placed[name].data, requires_grad=False)
+                tied.append((owner, leaf, placed[name]))
+                continue
+            t = load(weights[name])
+            if on_load is not None:
+                on_load(name, t)
+            t = t.to(dtype) if t.is_floating_point() else t
+            owner._parameters[leaf] = param = nn.Parameter(t, requires_grad=False)
+            done += t.nbytes
+            if name in targets:
+                placed[name] = param  # replaced by the placed one below
+        if layout is not None:
+            layout(unit, is_whole)
+        for owner, leaf, shared in tied:
+            if owner._parameters.get(leaf) is not None:  # left as it was: the one shared parameter again
+                owner._parameters[leaf] = shared
+        tied.clear()
+        own = [unit, *(unit.parametrizations.modules() if parametrize.is_parametrized(unit) else [])]
+        for m in (unit.modules() if is_whole else own):  # a layout may have moved a weight into a parametrization
+            for leaf, p in m._parameters.items():
+                if p is not None and p.device != device:
+                    moved = nn.Parameter(p.data.to(device), requires_grad=False)
+                    for name, q in placed.items():
+                        if q is p:
+                            placed[name] = moved
+                    m._parameters[leaf] = moved
+        release_freed_memory()
+        if progress is not None:
+            progress(done, total)
+    for name, b in list(model.named_buffers()):
+        owner, leaf = _owner(model, name)
+        if b is not None and b.device != device:
+            owner._buffers[leaf] = b.to(device)
+    return done
+
+
+def release_freed_memory() -> None:
+    """Give the host memory of the tensors freed so far back to the system (glibc's ``malloc_trim``;
+    nothing elsewhere). A unit's host tensors are below glibc's mmap threshold (it grows up to 32 MB)
+    and come from its heap, which keeps them after they are freed: the XLA CPU client's buffers are
+    allocated between them, so a load grew by twice the weights without this."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    *path, leaf = name.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, leaf
+
+
+def _nbytes(t, dtype: torch.dtype) -> int:
+    return t.numel() * (dtype.itemsize if t.dtype.is_floating_point else t.dtype.itemsize)
+
+
+# ------------------------------------------------------------------------------------- fingerprints
+
+class Fingerprint:
+    """sha256 over tensors' names, dtypes, shapes and bytes, whatever order they are added in
+    (each tensor is hashed as it is read; the digests are combined in name order)."""
+
+    def __init__(self):
+        self._digests: dict[str, str] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        t = t.detach().contiguous().cpu()
+        h = hashlib.sha256(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        if t.numel():
+            h.update(memoryview(t.view(torch.uint8).numpy()))
+        self._digests[name] = h.hexdigest()
+
+    def hexdigest(self) -> str:
+        h = hashlib.sha256()
+        for name in sorted(self._digests):
+            h.update(f"{name}|{self._digests[name]}\n".encode())
+        return h.hexdigest()[:32]

@@ -235,15 +235,13 @@ def units(module: nn.Module, whole: tuple[type, ...], prefix: str = "") -> Itera
 
 def materialize(model: nn.Module, weights: Mapping, *, dtype: torch.dtype, device: torch.device,
                 layout: Callable[[nn.Module, bool], None] | None = None, whole: tuple[type, ...] = (),
-                on_load: Callable[[str, torch.Tensor], None] | None = None,
                 progress: Callable[[int, int], None] | None = None) -> int:
     """Give every parameter of ``model`` its value from ``weights`` (name -> tensor or
     :class:`LazyTensor`, under ``model``'s names), unit by unit (:func:`units`): read, cast to
     ``dtype`` (floating point only), laid out by ``layout(unit, is_whole)`` (a whole unit, or a
     module whose own parameters these are), placed on ``device``. A tied alias
-    (:func:`tied_aliases`) takes the placed tensor of its first name. ``on_load(name, tensor)`` sees
-    each tensor as read, before the cast; ``progress(done_bytes, total_bytes)`` is called after each
-    unit. Buffers are moved to ``device`` as they are.
+    (:func:`tied_aliases`) takes the placed tensor of its first name. ``progress(done_bytes,
+    total_bytes)`` is called after each unit. Buffers are moved to ``device`` as they are.
 
     The names and shapes should have been checked (:func:`check_names`). Returns the bytes placed."""
     aliases = tied_aliases(model)
@@ -265,8 +263,6 @@ def materialize(model: nn.Module, weights: Mapping, *, dtype: torch.dtype, devic
                 tied.append((owner, leaf, placed[name]))
                 continue
             t = load(weights[name])
-            if on_load is not None:
-                on_load(name, t)
             t = t.to(dtype) if t.is_floating_point() else t
             owner._parameters[leaf] = param = nn.Parameter(t, requires_grad=False)
             done += t.nbytes

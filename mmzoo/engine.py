@@ -10,6 +10,7 @@ random init when ``weights=random``), and handed to the executor.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import time
@@ -45,18 +46,27 @@ class Engine:
     """
 
     def __init__(self, *, cfg: DictConfig, family, config, processor, model, executor: Executor, checkpoint: Path,
-                 eos_token_ids: list[int], towers_fingerprint: str, dtype: str,
+                 eos_token_ids: list[int], towers_fingerprint: str | Callable[[], str], dtype: str,
                  allow_fingerprint_mismatch: bool = False):
         self.cfg, self.family, self.config, self.processor = cfg, family, config, processor
         self.model, self.executor, self.checkpoint = model, executor, checkpoint
         self.eos_token_ids = eos_token_ids
-        self.towers_fingerprint, self.dtype = towers_fingerprint, dtype
+        self._fingerprint, self.dtype = towers_fingerprint, dtype
         self.allow_fingerprint_mismatch = allow_fingerprint_mismatch
         self._lock = threading.RLock()  # one request stream at a time: the cache and compiled steps are shared
 
     @property
     def name(self) -> str:
         return self.family.name
+
+    @property
+    def towers_fingerprint(self) -> str:
+        """The encoder towers' weights' fingerprint (:class:`mmzoo._weights.Fingerprint`), which an
+        embeddings file carries: computed from the checkpoint's files the first time it is asked for
+        (only embeddings files need it, and hashing a real tower's bytes takes seconds)."""
+        if callable(self._fingerprint):
+            self._fingerprint = self._fingerprint()
+        return self._fingerprint
 
     @property
     def hidden_size(self) -> int:
@@ -349,6 +359,25 @@ def check_memory(exe: Executor, model: MultimodalLM, dtype: str, *, verbose: boo
     return plan
 
 
+def _towers_fingerprint(state: dict) -> str:
+    """The fingerprint of the tower tensors of ``state`` (the checkpoint's, under the composition's
+    names: tensors or lazy ones, read one at a time)."""
+    fp = _weights.Fingerprint()
+    for key, t in state.items():
+        if key.startswith("towers."):
+            fp.add(key, _weights.load(t))
+    return fp.hexdigest()
+
+
+def _random_fingerprint(cfg: DictConfig) -> str:
+    """The fingerprint of seeded random towers: their init seed and their resolved configs decide them."""
+    import hashlib
+
+    parts = [OmegaConf.to_yaml(cfg.model[name], resolve=True) for name in ("encoder", "adapter")]
+    text = f"random|{cfg.get('init_seed', 0)}|" + "|".join(parts)
+    return "random-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
 def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
@@ -418,19 +447,17 @@ def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, 
     exe = executor if executor is not None else instantiate_part(cfg.executor, "executor")
     if verbose:
         print(f"mmzoo: model={name} {describe(cfg, model)} executor={exe.describe()} dtype={dtype}", file=sys.stderr)
-    fp, state, on_load = _weights.Fingerprint(), None, None
+    state = None
     if weights == "checkpoint":
         state = family.convert_weights(_weights.checkpoint_tensors(checkpoint))  # headers only: nothing read yet
         if model.lm.tie_word_embeddings:
             state.pop("lm.lm_head.weight", None)  # the embedding is the head
-        if not towers:  # the tower weights are only hashed (embeddings files are checked against them)
-            for key in [k for k in state if k.startswith("towers.")]:
-                fp.add(key, _weights.load(state.pop(key)))
+        tower_state = {k: state.pop(k) for k in [k for k in state if k.startswith("towers.")] if not towers}
         _weights.check_names(_weights.parameter_shapes(model), state, source=str(checkpoint),
                              optional=set(_weights.tied_aliases(model)))
-        on_load = lambda key, t: fp.add(key, t) if key.startswith("towers.") else None  # noqa: E731
+        fingerprint = functools.partial(_towers_fingerprint, {**tower_state, **state})
     else:
-        random_fingerprint = embeds_file.fingerprint(model.towers.state_dict()) if towers else "random"
+        fingerprint = _random_fingerprint(cfg)
         print(f"mmzoo: weights=random: the modules keep their seeded random init (init_seed="
               f"{cfg.get('init_seed', 0)}); {checkpoint} gives only the config, tokenizer and processor", file=sys.stderr)
     for tower in model.towers:  # towers whose rows are whole items: the executor config wins
@@ -448,9 +475,8 @@ def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, 
     t0 = time.perf_counter()
     report = _LoadReport(checkpoint if weights == "checkpoint" else None, verbose)
     exe.setup(model, dtype=dtype, eos_token_ids=eos, take_ownership=True,  # built for this executor alone
-              weights=state, on_load=on_load, progress=report.progress)
+              weights=state, progress=report.progress)
     report.done(time.perf_counter() - t0, dtype)
-    fingerprint = fp.hexdigest() if weights == "checkpoint" else random_fingerprint
     if exe.do_warmup:
         secs = exe.warmup(lambda tower, rows: family.dummy_media(rows))
         if verbose:

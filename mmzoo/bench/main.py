@@ -10,7 +10,8 @@
 6. The roofline, the printed sweeps and targets, the JSON result (:mod:`mmzoo.bench.report`).
 
 Before them, with ``first_answer.run``: fresh processes on the embedded demo model, from their
-start to their first answer (:mod:`mmzoo.bench.first_answer`); with ``peers.run``: transformers
+start to their first answer (:mod:`mmzoo.bench.first_answer`); with ``real_size.run``: Qwen2-VL at
+published sizes, a fresh process per row (:mod:`mmzoo.bench.real_size`); with ``peers.run``: transformers
 compiled (static cache + ``torch.compile``) beside its eager generate and mmzoo per attention
 backend, at batch 1 and 8 (:mod:`mmzoo.bench.peers`).
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from mmzoo.bench import first_answer, peers, report
+from mmzoo.bench import first_answer, peers, real_size, report
 from mmzoo.bench.runner import (SYSTEMS, Run, Transformers, agreement, batch1_rounds, build_engine, copy_bandwidth,
                                 decode_breakdown, kv_cache_bytes, model_sizes, roofline, run_mmzoo, run_system,
                                 sweep_row)
@@ -74,19 +75,20 @@ class BatchSweep:
 def run(cfg: DictConfig) -> dict:
     """Run the benchmark described by ``cfg``; print the figures and write the JSON result."""
     check_config(cfg)
-    first = None
+    fresh = {"config": OmegaConf.to_container(cfg, resolve=True),
+             "environment": {"load_average_at_start": os.getloadavg()[0]}}
     if cfg.first_answer.run:  # fresh processes, before this one loads anything
-        first = first_answer.run(cfg)
-        first_answer.print_rows(first)
-        if not _more_stages(cfg):
-            result = {"config": OmegaConf.to_container(cfg, resolve=True), "first_answer": first,
-                      "environment": {"load_average_at_start": os.getloadavg()[0]}}
-            report.write_result(cfg.output, result)
-            say(f"wrote {cfg.output}")
-            return result
+        fresh["first_answer"] = first_answer.run(cfg)
+        first_answer.print_rows(fresh["first_answer"])
+    if cfg.real_size.run:  # fresh processes too; the result so far written after each row
+        fresh["real_size"] = real_size.run(cfg, on_progress=lambda r: report.write_result(
+            cfg.output, {**fresh, "real_size": r}))
+    if (cfg.first_answer.run or cfg.real_size.run) and not _more_stages(cfg):
+        report.write_result(cfg.output, fresh)
+        say(f"wrote {cfg.output}")
+        return fresh
     b = start(cfg)
-    if first is not None:
-        b.result["first_answer"] = first
+    b.result.update({k: v for k, v in fresh.items() if k in ("first_answer", "real_size")})
     if cfg.peers.run:  # the compiled transformers peer beside the eager one and mmzoo's backends
         rows = peers.run(cfg, b.checkpoint, b.family.hf_class)
         peers.print_rows(rows, int(cfg.peers.prompt_len), int(cfg.peers.max_new_tokens))
@@ -131,6 +133,8 @@ def check_config(cfg: DictConfig) -> None:
                          "`systems`; list only mmzoo systems here")
     if "mmzoo-serve" in cfg.sweep.systems:
         raise MmzooError("sweep.systems: the sweeps run engines directly; mmzoo-serve runs the main workload only")
+    if cfg.real_size.run:
+        real_size.check_config(cfg.real_size)
     if not Path(cfg.output).resolve().parent.is_dir():
         raise MmzooError(f"output directory {Path(cfg.output).parent} does not exist")
 

@@ -150,7 +150,7 @@ class Executor:
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self, model, *, dtype: str = "float32", eos_token_ids=(), take_ownership: bool = False,
-              weights=None, on_load=None, progress=None) -> None:
+              weights=None, progress=None) -> None:
         """Place ``model`` on the device in ``dtype`` (``self.model``), laid out for this executor
         (:meth:`layout`); allocate the KV cache and the media buffer.
 
@@ -162,7 +162,6 @@ class Executor:
             weights: ``name -> tensor or LazyTensor`` under ``model``'s parameter names (checked
                 already), read and placed unit by unit (:func:`mmzoo._weights.materialize`): the
                 host holds one unit's tensors at a time besides the placed weights.
-            on_load: ``(name, tensor)`` for each tensor of ``weights`` as it is read.
             progress: ``(done_bytes, total_bytes)`` after each unit is placed.
         """
         from mmzoo import _weights
@@ -178,7 +177,7 @@ class Executor:
         model = model.eval()
         self.prepare_model(model)
         _weights.materialize(model, weights, dtype=self.dtype, device=dev, layout=self.layout,
-                             whole=(Attention, GatedMLP), on_load=on_load, progress=progress)
+                             whole=(Attention, GatedMLP), progress=progress)
         self.model = model
         lm = model.lm
         self.cache = KVCache(num_layers=lm.num_layers, num_slots=self.max_batch, num_kv_heads=lm.num_kv_heads,

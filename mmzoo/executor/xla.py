@@ -169,7 +169,7 @@ class XLAExecutor(Executor):
         self._xla = torch_xla
 
     def setup(self, model, *, dtype: str = "float32", eos_token_ids=(), take_ownership: bool = False,
-              weights=None, on_load=None, progress=None) -> None:
+              weights=None, progress=None) -> None:
         if self.transpose_weights is True and self.sharding is not None:
             raise ValueError("transpose_weights=true is not supported with a device mesh (the sharding rules "
                              "name [out, in] weights); use auto or false")
@@ -180,7 +180,7 @@ class XLAExecutor(Executor):
             if tower not in self.encoder_buckets and per:
                 self.encoder_buckets[tower] = doubling(1, max(1, min(MAX_ITEMS_PER_CALL, self.max_media_rows() // per)))
         super().setup(model, dtype=dtype, eos_token_ids=eos_token_ids, take_ownership=take_ownership,
-                      weights=weights, on_load=on_load, progress=progress)
+                      weights=weights, progress=progress)
         self.replaying = self.sharding is None if self.replay_steps == "auto" else bool(self.replay_steps)
         skipping = all(getattr(b, "skips_past_length", False) for b in self._lm_backends(self.model))
         self.decode_kv_buckets = self._kv_buckets or (

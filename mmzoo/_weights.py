@@ -78,23 +78,37 @@ class LazyTensor:
     def contiguous(self) -> LazyTensor:
         return self  # a loaded tensor is always contiguous
 
-    def load(self) -> torch.Tensor:
-        """The tensor's values (a host tensor of its own memory, in the file's dtype)."""
+    def load(self, handles: dict | None = None) -> torch.Tensor:
+        """The tensor's values, in the file's dtype: a view of a read-only mapping of the file.
+
+        Args:
+            handles: path -> open file, shared by the loads of one checkpoint: the tensors are views
+                of one mapping per file (nothing is copied; a page is read when first touched, as
+                transformers' loader does). None: the file is opened for this tensor alone, and its
+                mapping goes with the tensor (copy or cast it: a kept view keeps a mapping per tensor).
+        """
         try:
+            if handles is not None:
+                f = handles.get(self.path)
+                if f is None:
+                    f = handles[self.path] = safe_open(str(self.path), framework="pt")
+                return self._read(f)
             with safe_open(str(self.path), framework="pt") as f:
-                if self.part is None:
-                    return f.get_tensor(self.key)
-                dim, start, stop = self.part
-                index = (slice(None),) * dim + (slice(start, stop),)
-                return f.get_slice(self.key)[index].contiguous()
+                return self._read(f)
         except (SafetensorError, OSError) as e:
             raise MmzooError(f"checkpoint file {self.path} is not a readable safetensors file ({e}): it may be "
                              f"truncated or corrupt") from None
 
+    def _read(self, f) -> torch.Tensor:
+        if self.part is None:
+            return f.get_tensor(self.key)
+        dim, start, stop = self.part
+        return f.get_slice(self.key)[(slice(None),) * dim + (slice(start, stop),)]
+
 
 def load(t) -> torch.Tensor:
-    """The values of a :class:`LazyTensor` or of a tensor given as it is."""
-    return t.load() if isinstance(t, LazyTensor) else t
+    """The values of a :class:`LazyTensor` (a tensor of its own memory) or of a tensor given as it is."""
+    return t.load().clone() if isinstance(t, LazyTensor) else t
 
 
 def checkpoint_files(checkpoint: str | Path) -> list[Path]:
@@ -234,12 +248,17 @@ def units(module: nn.Module, whole: tuple[type, ...], prefix: str = "") -> Itera
 
 
 def materialize(model: nn.Module, weights: Mapping, *, dtype: torch.dtype, device: torch.device,
-                layout: Callable[[nn.Module, bool], None] | None = None, whole: tuple[type, ...] = (),
-                progress: Callable[[int, int], None] | None = None) -> int:
+                layout: Callable[[str, nn.Module, bool], nn.Module | None] | None = None,
+                whole: tuple[type, ...] = (),
+                map_files: Callable[[str], bool] = lambda name: False, progress: Callable[[int, int], None] | None = None) -> int:
     """Give every parameter of ``model`` its value from ``weights`` (name -> tensor or
     :class:`LazyTensor`, under ``model``'s names), unit by unit (:func:`units`): read, cast to
-    ``dtype`` (floating point only), laid out by ``layout(unit, is_whole)`` (a whole unit, or a
-    module whose own parameters these are), placed on ``device``. A tied alias
+    ``dtype`` (floating point only), laid out by ``layout(name, unit, is_whole)`` (a whole unit, or
+    a module whose own parameters these are; it may return a module that replaces ``unit``), placed
+    on ``device``. Where ``map_files(name)`` (the unit's weights used in place on the CPU, with a
+    layout that changes none of them), a checkpoint tensor already in ``dtype`` is a view of its
+    file's one mapping, as in transformers' loader: nothing is copied and
+    a page is read when first touched; otherwise each tensor is read into memory of its own. A tied alias
     (:func:`tied_aliases`) takes the placed tensor of its first name. ``progress(done_bytes,
     total_bytes)`` is called after each unit. Buffers are moved to ``device`` as they are.
 
@@ -248,6 +267,8 @@ def materialize(model: nn.Module, weights: Mapping, *, dtype: torch.dtype, devic
     targets = set(aliases.values())
     placed: dict[str, nn.Parameter] = {}
     tied: list[tuple[nn.Module, str, nn.Parameter]] = []
+    handles: dict = {}  # path -> open file, for map_files
+    views: set[int] = set()  # data pointers of the unit's tensors that view a mapping of their own
     total = sum(_nbytes(weights[n], dtype) for n, _ in model.named_parameters() if n in weights)
     done = 0
     for prefix, unit, is_whole in list(units(model, whole)):
@@ -262,14 +283,27 @@ def materialize(model: nn.Module, weights: Mapping, *, dtype: torch.dtype, devic
                 owner._parameters[leaf] = nn.Parameter(placed[name].data, requires_grad=False)
                 tied.append((owner, leaf, placed[name]))
                 continue
-            t = load(weights[name])
-            t = t.to(dtype) if t.is_floating_point() else t
+            t = weights[name]
+            if isinstance(t, LazyTensor) and map_files(prefix[:-1]) and (t.dtype == dtype or not t.dtype.is_floating_point):
+                t = t.load(handles)  # used as it is: a view of the file's one mapping
+            elif isinstance(t, LazyTensor):  # copied (cast, laid out, or moved to the device)
+                t = t.load()
+                if t.is_floating_point() and t.dtype != dtype:
+                    t = t.to(dtype)
+                else:
+                    views.add(t.data_ptr())  # a view of its own mapping of the file: copied below if kept as it is
+            else:
+                t = t.to(dtype) if t.is_floating_point() else t
             owner._parameters[leaf] = param = nn.Parameter(t, requires_grad=False)
             done += t.nbytes
             if name in targets:
                 placed[name] = param  # replaced by the placed one below
         if layout is not None:
-            layout(unit, is_whole)
+            new = layout(prefix[:-1], unit, is_whole)
+            if new is not None and new is not unit:  # the layout replaced the module (a packed linear)
+                parent, leaf = _owner(model, prefix[:-1])
+                setattr(parent, leaf, new)
+                unit = new
         for owner, leaf, shared in tied:
             if owner._parameters.get(leaf) is not None:  # left as it was: the one shared parameter again
                 owner._parameters[leaf] = shared
@@ -277,12 +311,14 @@ def materialize(model: nn.Module, weights: Mapping, *, dtype: torch.dtype, devic
         own = [unit, *(unit.parametrizations.modules() if parametrize.is_parametrized(unit) else [])]
         for m in (unit.modules() if is_whole else own):  # a layout may have moved a weight into a parametrization
             for leaf, p in m._parameters.items():
-                if p is not None and p.device != device:
-                    moved = nn.Parameter(p.data.to(device), requires_grad=False)
+                if p is not None and (p.device != device or p.data_ptr() in views):
+                    moved = nn.Parameter(p.data.to(device) if p.device != device else p.data.clone(),
+                                         requires_grad=False)
                     for name, q in placed.items():
                         if q is p:
                             placed[name] = moved
                     m._parameters[leaf] = moved
+        views.clear()
         release_freed_memory()
         if progress is not None:
             progress(done, total)

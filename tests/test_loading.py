@@ -102,11 +102,13 @@ _MEASURE = textwrap.dedent("""
     opts = {"warmup": "none"} if executor == "xla" else {}
     if executor == "xla":
         (torch.zeros(4, 4, device=torch_xla.device()) + 1).cpu()  # nor is the XLA runtime's (and its compiler's)
+    elif torch.backends.mkldnn.is_available():  # nor oneDNN's (the eager executor packs bf16 weights with it)
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16), 1)
     before = rss("VmRSS:")
     open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from here
     engine = mmzoo.load(ckpt, executor=executor, dtype=dtype, max_model_len=32, max_batch=1, **opts)
     exe = engine.executor
-    params = list(exe.model.parameters())
+    params = list(exe.model.parameters()) + [b for n, b in exe.model.named_buffers() if n.endswith("packed")]
     buffers = [exe.media] + exe.cache.k + exe.cache.v  # the executor's own allocations beside the weights
     print(json.dumps({"growth": rss("VmHWM:") - before, "bytes": sum(p.numel() * p.element_size() for p in params),
                       "buffers": sum(b.numel() * b.element_size() for b in buffers),
@@ -137,3 +139,33 @@ def test_loading_grows_memory_by_the_weights_alone(wide_checkpoint, executor, dt
     # at most one unit's tensors on the host besides the placed weights (a float32 tensor read for a float32
     # run may stay backed by the file's pages until it is touched: then the growth is below the weights)
     assert got["growth"] <= 1.2 * weights + got["buffers"], (got, weights)
+
+
+@pytest.mark.skipif(not __import__("mmzoo.executor._layout", fromlist=["can_pack"]).can_pack(),
+                    reason="this torch build has no oneDNN")
+def test_packed_linear_computes_the_same_products():
+    from mmzoo.executor._layout import PackedLinear
+
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 200).to(torch.bfloat16)
+    packed = PackedLinear(linear, rows=8)
+    for shape in [(1, 1, 96), (8, 1, 96), (3, 96)]:  # decode steps' rows: the same products exactly
+        x = torch.randn(*shape).to(torch.bfloat16)
+        assert torch.equal(packed(x), linear(x)), shape
+    x = torch.randn(1, 64, 96).to(torch.bfloat16)  # a prefill's rows: to bfloat16's rounding
+    torch.testing.assert_close(packed(x), linear(x), rtol=2 ** -7, atol=1e-2)
+
+
+def test_eager_bfloat16_packs_the_lm_layers_and_keeps_the_tokens(qwen2_vl_ckpt):
+    packed = mmzoo.load(qwen2_vl_ckpt, executor="eager", dtype="bfloat16", max_model_len=128)
+    plain = mmzoo.load(qwen2_vl_ckpt, executor="eager", dtype="bfloat16", max_model_len=128, pack_weights=False)
+    from mmzoo.executor._layout import PackedLinear
+
+    layers = packed.executor.model.lm.layers
+    assert isinstance(layers[0].attn.q_proj, PackedLinear) and isinstance(layers[-1].mlp.down_proj, PackedLinear)
+    assert not isinstance(packed.executor.model.lm.lm_head, PackedLinear)
+    assert not any(isinstance(m, PackedLinear) for m in plain.executor.model.modules())
+    req = dict(prompt="Tell me a story.", max_new_tokens=12, ignore_eos=True)
+    a, b = packed.generate(req), plain.generate(req)
+    # the prompt's products may round differently; the decode steps' are the same products
+    assert a.token_ids[:4] == b.token_ids[:4], (a.token_ids, b.token_ids)

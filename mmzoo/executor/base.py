@@ -119,11 +119,12 @@ class Executor:
         """Prepare the executor's model before its weights are placed (buffers: the XLA executor
         tabulates the rotaries here)."""
 
-    def layout(self, unit, whole: bool) -> None:
-        """Lay out one unit of the model on the host, after its weights are read and before they are
-        placed (:func:`mmzoo._weights.materialize`): ``unit`` with everything under it (an attention
-        or gated MLP, ``whole``), or a module's own parameters. The XLA executor fuses projections and
-        transposes linear weights here."""
+    def layout(self, name: str, unit, whole: bool):
+        """Lay out one unit of the model (``name`` in it) on the host, after its weights are read and
+        before they are placed (:func:`mmzoo._weights.materialize`): ``unit`` with everything under it
+        (an attention or gated MLP, ``whole``), or a module's own parameters. Returns a module that
+        replaces ``unit``, or None. The XLA executor fuses projections and transposes linear weights
+        here, the eager one packs them for oneDNN."""
 
     def shard(self) -> None:
         """Annotate the placed weights and KV cache with a device-mesh sharding (the XLA executor
@@ -177,7 +178,7 @@ class Executor:
         model = model.eval()
         self.prepare_model(model)
         _weights.materialize(model, weights, dtype=self.dtype, device=dev, layout=self.layout,
-                             whole=(Attention, GatedMLP), progress=progress)
+                             whole=(Attention, GatedMLP), map_files=self.maps_files, progress=progress)
         self.model = model
         lm = model.lm
         self.cache = KVCache(num_layers=lm.num_layers, num_slots=self.max_batch, num_kv_heads=lm.num_kv_heads,
@@ -188,6 +189,12 @@ class Executor:
         self._encoded_rows: dict = {}  # encode step key -> embedding rows it writes
         self.shard()
         self.step_done()  # materialize weights and buffers, so no step graph contains their creation
+
+    def maps_files(self, name: str) -> bool:
+        """Whether the checkpoint tensors of unit ``name`` that are already in the run dtype are used
+        in place, as views of their file's mapping (they stay on the host and :meth:`layout` changes
+        none of them)."""
+        return False
 
     def memory_plan(self, model, dtype: str) -> dict[str, int]:
         """Bytes :meth:`setup` will allocate for ``model`` (built, parameters possibly on the meta

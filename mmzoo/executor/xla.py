@@ -210,7 +210,7 @@ class XLAExecutor(Executor):
                 if getattr(tower.encoder, "rotary_input", None):
                     tower.encoder.rotary.tabulate(self.tower_buckets(name)[-1])
 
-    def layout(self, unit, whole: bool) -> None:
+    def layout(self, name: str, unit, whole: bool) -> None:
         """Stack q/k/v and gate/up into one linear each (``fuse_projections``), then hold linear
         weights transposed (``transpose_weights``), one unit at a time as it is read
         (:mod:`mmzoo.executor._layout`)."""

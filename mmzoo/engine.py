@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import threading
 import time
@@ -447,6 +448,10 @@ def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, 
     exe = executor if executor is not None else instantiate_part(cfg.executor, "executor")
     if verbose:
         print(f"mmzoo: model={name} {describe(cfg, model)} executor={exe.describe()} dtype={dtype}", file=sys.stderr)
+        if exe.name == "xla" and dtype == "bfloat16" and os.environ.get("PJRT_DEVICE") == "CPU":
+            print("mmzoo: note: XLA's CPU client has no fast bfloat16 matrix product (a bf16 model decodes about "
+                  "10x slower than in float32 there); on a CPU, executor=eager runs bfloat16 at full speed",
+                  file=sys.stderr)
     state = None
     if weights == "checkpoint":
         state = family.convert_weights(_weights.checkpoint_tensors(checkpoint))  # headers only: nothing read yet

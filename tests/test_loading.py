@@ -138,7 +138,8 @@ def test_loading_grows_memory_by_the_weights_alone(wide_checkpoint, executor, dt
     assert got["dtypes"] == [f"torch.{dtype}"] and got["bytes"] >= weights  # (a laid-out tied head would add to it)
     # at most one unit's tensors on the host besides the placed weights (a float32 tensor read for a float32
     # run may stay backed by the file's pages until it is touched: then the growth is below the weights)
-    assert got["growth"] <= 1.2 * weights + got["buffers"], (got, weights)
+    # (+ 16 MB: the XLA runtime's and oneDNN's own allocations move by ~10 MB from run to run)
+    assert got["growth"] <= 1.2 * weights + got["buffers"] + 16e6, (got, weights)
 
 
 @pytest.mark.skipif(not __import__("mmzoo.executor._layout", fromlist=["can_pack"]).can_pack(),

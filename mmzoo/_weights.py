@@ -1,13 +1,14 @@
 """Loading weights once, in place, in the run dtype.
 
 A checkpoint is read lazily: :func:`checkpoint_tensors` reads only the safetensors headers and gives
-a :class:`LazyTensor` per tensor (name, shape, dtype), whose bytes are read when it is loaded, each
-tensor on its own (the file is opened and closed around the read, so its pages do not stay mapped
-in the process). The pipeline's modules are built with their parameters on the meta device
-(:func:`parameters_on_meta`: no memory, no random init); :func:`materialize` then fills them unit by
-unit (an attention or gated MLP whole, or one module's own parameters): each tensor is read, cast
-to the run dtype, laid out by the executor (fused, transposed) and placed on the device before the
-next unit is read. At most one unit's tensors are on the host at a time, besides the placed weights.
+a :class:`LazyTensor` per tensor (name, shape, dtype), whose bytes are read when it is loaded. The
+pipeline's modules are built with their parameters on the meta device (:func:`parameters_on_meta`:
+no memory, no random init); :func:`materialize` then fills them unit by unit (an attention or gated
+MLP whole, or one module's own parameters): each tensor is read, cast to the run dtype, laid out by
+the executor (fused, transposed, packed) and placed on the device before the next unit is read, so
+at most one unit's copies are on the host besides the placed weights. A tensor used as it is (the
+eager executor's, already in the run dtype) stays a view of one read-only mapping per file, as in
+transformers' loader: its pages are read when first touched.
 """
 
 from __future__ import annotations
@@ -362,8 +363,8 @@ def _nbytes(t, dtype: torch.dtype) -> int:
 # ------------------------------------------------------------------------------------- fingerprints
 
 class Fingerprint:
-    """sha256 over tensors' names, dtypes, shapes and bytes, whatever order they are added in
-    (each tensor is hashed as it is read; the digests are combined in name order)."""
+    """sha256 over tensors' names, dtypes, shapes and bytes, whatever order they are added in (each
+    tensor is hashed on its own, one at a time; the digests are combined in name order)."""
 
     def __init__(self):
         self._digests: dict[str, str] = {}

@@ -55,10 +55,6 @@ class LazyTensor:
     dtype: torch.dtype
     part: tuple[int, int, int] | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return self.shape.numel() * self.dtype.itemsize
-
     def numel(self) -> int:
         return self.shape.numel()
 
@@ -97,8 +93,7 @@ class LazyTensor:
             with safe_open(str(self.path), framework="pt") as f:
                 return self._read(f)
         except (SafetensorError, OSError) as e:
-            raise MmzooError(f"checkpoint file {self.path} is not a readable safetensors file ({e}): it may be "
-                             f"truncated or corrupt") from None
+            raise _unreadable(self.path, e) from None
 
     def _read(self, f) -> torch.Tensor:
         if self.part is None:
@@ -164,9 +159,13 @@ def checkpoint_tensors(checkpoint: str | Path) -> dict[str, LazyTensor]:
                                          f"which mmzoo does not load")
                     out[key] = LazyTensor(path, key, torch.Size(s.get_shape()), dtype)
         except (SafetensorError, OSError) as e:
-            raise MmzooError(f"checkpoint file {path} is not a readable safetensors file ({e}): it may be "
-                             f"truncated or corrupt") from None
+            raise _unreadable(path, e) from None
     return out
+
+
+def _unreadable(path: Path, error: Exception) -> MmzooError:
+    return MmzooError(f"checkpoint file {path} is not a readable safetensors file ({error}): it may be "
+                      f"truncated or corrupt")
 
 
 def check_names(expected: Mapping[str, torch.Size], given: Mapping, *, source: str, optional=frozenset()) -> None:
@@ -251,15 +250,16 @@ def units(module: nn.Module, whole: tuple[type, ...], prefix: str = "") -> Itera
 def materialize(model: nn.Module, weights: Mapping, *, dtype: torch.dtype, device: torch.device,
                 layout: Callable[[str, nn.Module, bool], nn.Module | None] | None = None,
                 whole: tuple[type, ...] = (),
-                map_files: Callable[[str], bool] = lambda name: False, progress: Callable[[int, int], None] | None = None) -> int:
+                map_files: Callable[[str], bool] = lambda name: False,
+                progress: Callable[[int, int], None] | None = None) -> int:
     """Give every parameter of ``model`` its value from ``weights`` (name -> tensor or
     :class:`LazyTensor`, under ``model``'s names), unit by unit (:func:`units`): read, cast to
     ``dtype`` (floating point only), laid out by ``layout(name, unit, is_whole)`` (a whole unit, or
     a module whose own parameters these are; it may return a module that replaces ``unit``), placed
     on ``device``. Where ``map_files(name)`` (the unit's weights used in place on the CPU, with a
     layout that changes none of them), a checkpoint tensor already in ``dtype`` is a view of its
-    file's one mapping, as in transformers' loader: nothing is copied and
-    a page is read when first touched; otherwise each tensor is read into memory of its own. A tied alias
+    file's one mapping, as in transformers' loader: nothing is copied and a page is read when first
+    touched; otherwise each tensor is read into memory of its own. A tied alias
     (:func:`tied_aliases`) takes the placed tensor of its first name. ``progress(done_bytes,
     total_bytes)`` is called after each unit. Buffers are moved to ``device`` as they are.
 

@@ -10,8 +10,10 @@ random init when ``weights=random``), and handed to the executor.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
+import queue
 import sys
 import threading
 import time
@@ -30,6 +32,7 @@ from mmzoo import embeds_file
 from mmzoo.config import read_config
 from mmzoo.errors import MmzooError, find_mmzoo_error
 from mmzoo.executor import Drain, Executor
+from mmzoo.limits import Limits, check_request, prompt_chars_bound
 from mmzoo.models import MultimodalLM, Tower
 from mmzoo.types import DTYPES, Prepared, Request, Result
 
@@ -55,6 +58,12 @@ class Engine:
         self._fingerprint, self.dtype = towers_fingerprint, dtype
         self.allow_fingerprint_mismatch = allow_fingerprint_mismatch
         self._lock = threading.RLock()  # one request stream at a time: the cache and compiled steps are shared
+        # host preparation runs in any number of threads at once (a server's handlers), each on a copy of
+        # the processor taken from this pool (a tokenizer must not be used by two threads at once)
+        self._processors: queue.SimpleQueue = queue.SimpleQueue()
+        self.limits = Limits.from_config(cfg.get("limits"))
+        self.max_prompt_chars = self.limits.max_prompt_chars or prompt_chars_bound(
+            processor.tokenizer, executor.max_model_len)
 
     @property
     def name(self) -> str:
@@ -86,6 +95,7 @@ class Engine:
                 request = replace(request, **{name: cast_note(value, run_dtype, name)})
         if not self.model.towers and (request.images or request.videos or request.audios):
             raise MmzooError("this engine was loaded without its encoder towers (towers=False); raw media need them")
+        check_request(request, self.limits, max_prompt_chars=self.max_prompt_chars)
         max_len = self.executor.max_model_len
         if request.max_new_tokens >= max_len:
             raise MmzooError(f"max_new_tokens={request.max_new_tokens} can never be reached: max_model_len={max_len} "
@@ -96,11 +106,31 @@ class Engine:
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise MmzooError(f"{name} holds {len(bad)} ids outside the vocabulary (size {vocab}), e.g. {bad[0]}")
-        prepared = self.family.prepare(request, self.processor, hidden_size=self.hidden_size)
+        with self._processor() as processor:
+            prepared = self.family.prepare(request, processor, hidden_size=self.hidden_size)
         if len(prepared.input_ids) >= max_len:
             raise MmzooError(f"the prompt is {len(prepared.input_ids)} tokens (media placeholders included); "
                              f"max_model_len={max_len} leaves no room to generate")
         return prepared
+
+    @contextlib.contextmanager
+    def _processor(self):
+        """A processor this thread alone uses until the block ends (a copy, made when none is free)."""
+        try:
+            processor = self._processors.get_nowait()
+        except queue.Empty:
+            processor = copy.deepcopy(self.processor)
+        try:
+            yield processor
+        finally:
+            self._processors.put(processor)
+
+    def tokenize(self, text: str) -> list[int]:
+        """``text``'s token ids (no chat template), within the prompt limit; safe from any thread."""
+        if len(text) > self.max_prompt_chars:
+            check_request(Request(prompt=text), self.limits, max_prompt_chars=self.max_prompt_chars)
+        with self._processor() as processor:
+            return processor.tokenizer(text)["input_ids"]
 
     def _with_embeds_file(self, request: Request) -> Request:
         tensors, meta = embeds_file.read(request.embeds)

@@ -29,6 +29,9 @@ def atomic_path(path: str | Path, *, directory: bool = False) -> Iterator[Path]:
         os.close(fd)
         tmp = Path(name)
     try:
+        # mkstemp / mkdtemp make it private (0600 / 0700): give it the mode the file it replaces has,
+        # or what the umask gives a new file, as open() would
+        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else (0o777 if directory else 0o666) & ~_umask())
         yield tmp
         if directory and path.exists():
             shutil.rmtree(path)
@@ -36,6 +39,13 @@ def atomic_path(path: str | Path, *, directory: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and setting it back, once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:

@@ -72,36 +72,28 @@ def run_defaults(cfg: DictConfig) -> dict:
     return values
 
 
-def read_requests(path: str | Path, defaults: dict) -> list[Line]:
-    """One :class:`Line` per non-empty JSONL line: the line's fields over ``defaults``, validated by
-    the request schema; the id defaults to the line number. A bad line, or two lines with one id,
-    is refused for that line only."""
+def read_requests(path: str | Path, defaults: dict, *, max_line_bytes: int | None = None) -> list[Line]:
+    """One :class:`Line` per non-empty line of a JSON Lines file (split on ``\\n`` only, so a JSON
+    string may hold U+2028 or U+0085): the line's fields over ``defaults``, validated by the request
+    schema; the id defaults to the line number. A bad line (over ``max_line_bytes``, not UTF-8, not
+    JSON, refused by the schema), or two lines with one id, is refused for that line only; a line
+    whose id cannot be read gets none (``null``), so it never takes another request's id."""
     path = Path(path)
     if not path.is_file():
         raise MmzooError(f"requests file {path} does not exist")
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as e:
-        raise MmzooError(f"requests file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     out: list[Line] = []
-    for n, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
-        where = f"{path.name}:{n}"
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as e:
-            out.append(Line(n, n, _sha(raw), error=f"{where}: not valid JSON ({e.msg})"))
-            continue
-        values = {**defaults, "id": n, **obj} if isinstance(obj, dict) else obj
-        rid = values.get("id", n) if isinstance(values, dict) else n
-        rid = rid if isinstance(rid, (int, str)) and not isinstance(rid, bool) else n
-        try:
-            out.append(Line(n, rid, _sha(values), request=Request.parse(values, where=where)))
-        except MmzooError as e:
-            out.append(Line(n, rid, _sha(values), error=str(e)))
+    try:
+        with open(path, "rb") as f:
+            for n, data in enumerate(f, start=1):
+                item = _read_line(data, n, path.name, defaults, max_line_bytes)
+                if item is not None:
+                    out.append(item)
+    except OSError as e:
+        raise MmzooError(f"requests file {path} could not be read ({e.strerror or e})") from None
     first: dict[str, Line] = {}
     for item in out:
+        if item.id is None:
+            continue
         if item.key in first:
             other = first[item.key]
             msg = f"id {item.id!r} is given twice in {path.name}: lines {other.line} and {item.line}"
@@ -110,6 +102,36 @@ def read_requests(path: str | Path, defaults: dict) -> list[Line]:
         else:
             first[item.key] = item
     return out
+
+
+def _read_line(data: bytes, n: int, name: str, defaults: dict, max_bytes: int | None) -> Line | None:
+    """Line ``n`` of a requests file as a :class:`Line` (None when it is blank)."""
+    where = f"{name}:{n}"
+    data = data.rstrip(b"\r\n") if data.endswith(b"\n") else data
+    if max_bytes and len(data) > max_bytes:
+        return Line(n, None, _sha(data.hex()), error=f"{where}: the line is {len(data)} bytes; a request may have at "
+                                                     f"most {max_bytes} (limits.max_request_bytes)")
+    try:
+        raw = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return Line(n, None, _sha(data.hex()), error=f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)")
+    if not raw.strip():
+        return None
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, an integer of over 4300 digits
+        msg = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply" if isinstance(
+            e, RecursionError) else str(e)
+        return Line(n, None, _sha(raw), error=f"{where}: not valid JSON ({msg})")
+    if not isinstance(obj, dict):
+        return Line(n, None, _sha(raw), error=f"{where}: a request line must be a JSON object, not {type(obj).__name__}")
+    values = {**defaults, "id": n, **obj}
+    rid = values["id"]
+    rid = rid if isinstance(rid, (int, str)) and not isinstance(rid, bool) else None
+    try:
+        return Line(n, rid, _sha(values), request=Request.parse(values, where=where))
+    except MmzooError as e:
+        return Line(n, rid, _sha(values), error=str(e))
 
 
 def check_output(cfg: DictConfig) -> Path | None:
@@ -151,12 +173,26 @@ def _row(item: Line, result: Result | None) -> dict:
     return {**row, "line": item.line, "request_sha": item.sha}
 
 
+class _Interrupted(Exception):
+    """A second signal while the results are rewritten: the rewrite stops (its temporary file removed)."""
+
+
+class _OutputFailed(Exception):
+    """``output=`` could not be written (disk full, permissions): the run stops."""
+
+
 class _Signals:
-    """SIGINT / SIGTERM during a run: before generation starts, exit at once (nothing to keep);
-    during it, the first signal sets the :class:`Drain`, a second exits at once."""
+    """SIGINT / SIGTERM during a run, by what it is doing (:attr:`state`):
+
+    * ``loading``: exit at once (nothing to keep);
+    * ``generating``: the first signal sets the :class:`Drain` (admit no more, finish those in
+      flight), a second exits at once (every finished row is on disk already);
+    * ``writing`` (the final rewrite): the first signal is kept until the file is written whole,
+      a second stops the rewrite (:class:`_Interrupted`; ``output=`` keeps its rows as they were).
+    """
 
     def __init__(self, drain: Drain):
-        self.drain, self.signum, self.generating = drain, None, False
+        self.drain, self.signum, self.state = drain, None, "loading"
         self._old: dict = {}
 
     def __enter__(self) -> "_Signals":
@@ -170,7 +206,15 @@ class _Signals:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.signum is not None or not self.generating:
+        again = self.signum is not None
+        if self.state == "writing":
+            if again:
+                raise _Interrupted(name)
+            self.signum = signum
+            print(f"\nmmzoo: {name}: finishing writing the results ({name} again stops now; the output file keeps "
+                  f"its rows)", file=sys.stderr, flush=True)
+            return
+        if again or self.state == "loading":
             print(f"\nmmzoo: {name}: exiting now", file=sys.stderr, flush=True)
             os._exit(128 + signum)  # the rows written so far are flushed already
         self.signum = signum
@@ -183,15 +227,38 @@ class _Signals:
         return None if self.signum is None else 128 + self.signum
 
 
+def _plan(lines: list[Line], done: dict[str, dict], out_path: Path | None, resume: bool) -> tuple[list[Line], dict]:
+    """The lines to run and the rows kept from ``output=`` (by line): a row is kept when its
+    request is unchanged and did not end in an error (resume retries those)."""
+    todo, kept, retried = [], {}, 0
+    for item in lines:
+        row = done.get(item.key) if item.id is not None else None
+        if row is not None and row.get("request_sha") == item.sha and "error" not in row:
+            kept[item.line] = row
+            continue
+        if row is not None and "error" in row:
+            retried += 1
+        elif row is not None:
+            print(f"mmzoo: request {item.id!r} changed since its result in {out_path} was written; "
+                  f"running it again", file=sys.stderr)
+        todo.append(item)
+    if resume:
+        print(f"mmzoo: resume: {len(kept)} of {len(lines)} requests already in {out_path}; running {len(todo)}"
+              + (f" ({retried} of them ended in an error before)" if retried else ""), file=sys.stderr)
+    return todo, kept
+
+
 def run(cfg: DictConfig) -> list[dict]:
     """Build the pipeline from ``cfg``, run the requests, print and stream the results to ``output=``."""
     from mmzoo.engine import build
+    from mmzoo.limits import Limits
 
     out_path = check_output(cfg)
     resume = bool(cfg.get("resume", False))
     defaults = run_defaults(cfg)
+    limits = Limits.from_config(cfg.get("limits"))
     if cfg.requests is not None:
-        lines = read_requests(cfg.requests, defaults)
+        lines = read_requests(cfg.requests, defaults, max_line_bytes=limits.max_request_bytes)
     else:
         images = cfg.images
         if images is None:
@@ -210,31 +277,31 @@ def run(cfg: DictConfig) -> list[dict]:
     done: dict[str, dict] = {}  # id -> the row already in output= (resume)
     if resume and out_path is not None and out_path.exists():
         done = {json.dumps(row.get("id")): row for row in read_jsonl_rows(out_path)}
-    todo, kept = [], {}
-    for item in lines:
-        row = done.get(item.key)
-        if row is not None and row.get("request_sha") == item.sha:
-            kept[item.line] = row
-        else:
-            if row is not None:
-                print(f"mmzoo: request {item.id!r} changed since its result in {out_path} was written; "
-                      f"running it again", file=sys.stderr)
-            todo.append(item)
-    if resume:
-        print(f"mmzoo: resume: {len(kept)} of {len(lines)} requests already in {out_path}; running "
-              f"{len(todo)}", file=sys.stderr)
+    todo, kept = _plan(lines, done, out_path, resume)
 
     writer = JsonlAppender(out_path, append=resume, sync_s=float(cfg.get("sync_s", 2.0))) if out_path else None
     rows: dict[int, dict] = dict(kept)  # line -> row
 
+    def progress() -> str:
+        return (f"{len(rows)} of {len(lines)} requests done"
+                + (f" (in {out_path}); rerun with resume=true to run the rest" if out_path else ""))
+
     def record(item: Line, result: Result | None) -> None:
-        rows[item.line] = row = _row(item, result)
+        row = _row(item, result)
         if writer is not None:
-            writer.write(row)
-        if "error" in row:
-            print(f"error: request {item.id!r}: {row['error']}", file=sys.stderr, flush=True)
-        else:
-            print(result.text, flush=True)
+            try:
+                writer.write(row)
+            except OSError as e:
+                raise _OutputFailed(f"cannot write output={out_path}: {e.strerror or e}") from None
+        rows[item.line] = row
+        try:
+            if "error" in row:
+                who = f"request {item.id!r}: " if item.id is not None else ""  # else the error names its line
+                print(f"error: {who}{row['error']}", file=sys.stderr, flush=True)
+            else:
+                print(result.text, flush=True)
+        except BrokenPipeError:  # stdout piped into a reader that left (``| head``): output= still gets every row
+            sys.stdout = open(os.devnull, "w")
 
     drain = Drain(timeout_s=float(cfg.get("drain_timeout_s", 60.0)))
     with _Signals(drain) as sig:
@@ -246,12 +313,12 @@ def run(cfg: DictConfig) -> list[dict]:
             print("mmzoo: no raw media in the requests; the encoder towers are not loaded", file=sys.stderr)
         if engine is not None:
             print(f"mmzoo: checkpoint {engine.checkpoint}", file=sys.stderr)
+        sig.state = "generating"
         try:
             for item in todo:
                 if item.request is None:
                     record(item, None)
             if engine is not None:
-                sig.generating = True
                 by_key = {item.key: item for item in runnable}  # ids are unique: duplicates were refused
                 if cfg.requests is None:  # one request: a bad one is the run's error (exit 1, nothing written)
                     (result,) = engine.generate([runnable[0].request], stop=drain)
@@ -262,22 +329,34 @@ def run(cfg: DictConfig) -> list[dict]:
                 else:
                     engine.generate([item.request for item in runnable], stop=drain,
                                     on_result=lambda res: record(by_key[json.dumps(res.id)], res))
-                sig.generating = False
+        except _OutputFailed as e:
+            raise MmzooError(f"{e}; {progress()}") from None
         finally:
+            sig.state = "writing"
             if writer is not None:
-                writer.close()
+                try:
+                    writer.close()
+                except OSError as e:
+                    raise MmzooError(f"cannot write output={out_path}: {e.strerror or e}; {progress()}") from None
         if sig.exit_code is not None:
-            print(f"mmzoo: {len(rows)} of {len(lines)} requests done"
-                  + (f" (in {out_path}); rerun with resume=true to run the rest" if out_path else ""),
-                  file=sys.stderr, flush=True)
+            print(f"mmzoo: {progress()}", file=sys.stderr, flush=True)
             sys.exit(sig.exit_code)
 
-    ordered = [rows[item.line] for item in lines if item.line in rows]
-    if out_path is not None:
-        known = {item.key for item in lines}
-        extra = [row for key, row in done.items() if key not in known]  # rows of ids no longer asked for
-        write_jsonl(out_path, ordered + extra)  # in request order, atomically
-        print(f"mmzoo: wrote {len(ordered) + len(extra)} results to {out_path}", file=sys.stderr)
+        ordered = [rows[item.line] for item in lines if item.line in rows]
+        if out_path is not None:
+            known = {item.key for item in lines}
+            extra = [row for key, row in done.items() if key not in known]  # rows of ids no longer asked for
+            try:
+                write_jsonl(out_path, ordered + extra)  # in request order, atomically
+            except (OSError, _Interrupted) as e:
+                why = f"{e.strerror or e}" if isinstance(e, OSError) else f"{e} during the rewrite"
+                print(f"error: could not rewrite output={out_path} in request order ({why}); it holds every "
+                      f"result (in the order they finished); rerun with resume=true to write it in order",
+                      file=sys.stderr, flush=True)
+                sys.exit(sig.exit_code or 1)
+            print(f"mmzoo: wrote {len(ordered) + len(extra)} results to {out_path}", file=sys.stderr)
+        if sig.exit_code is not None:
+            sys.exit(sig.exit_code)
     if ordered and all("error" in row for row in ordered):
         raise MmzooError("every request failed")
     return ordered

@@ -72,6 +72,8 @@ def test_bad_lines_each_become_an_error_row_and_the_rest_run(qwen2_vl_ckpt, imag
     rows = read_jsonl_rows(out)
     assert [r["line"] for r in rows] == list(range(1, len(lines) + 1))  # rewritten in request order
     by_id = {r["id"]: r for r in rows if r["id"] != "dup"}
+    by_id[16] = rows[15]  # "{not json": its id cannot be read, so it has none (its row names line 16)
+    assert rows[15]["id"] is None
     for rid in ("good-1", "good-2"):
         assert "error" not in by_id[rid] and len(by_id[rid]["token_ids"]) == 3
     expect = {"str-int": "max_new_tokens='4'", "zero": "max_new_tokens=0", "negative": "max_new_tokens=-2",

@@ -243,6 +243,36 @@ def test_disconnect_frees_the_slot_and_sigterm_finishes_in_flight(qwen2_vl_ckpt,
         server.stop()
 
 
+def test_sigterm_past_the_drain_timeout_ends_every_request_cleanly(qwen2_vl_ckpt, media):
+    server = Server(qwen2_vl_ckpt, media, "executor=eager", "executor.max_model_len=4096", "drain_timeout_s=1")
+    body = dict(model="tiny", messages=_chat(None, "Tell a long story."), temperature=0, max_tokens=4000,
+                extra_body={"ignore_eos": True})
+    try:
+        def streamed():
+            return [c for c in server.client.chat.completions.create(stream=True, **body)]
+
+        def plain():
+            with pytest.raises(openai.APIStatusError) as e:
+                server.client.chat.completions.create(**body)
+            return e.value
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            chunks, cut = pool.submit(streamed), pool.submit(plain)
+            deadline = time.monotonic() + 60
+            while server.metrics()["mmzoo_requests_running"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            t0 = time.monotonic()
+            code, err = server.stop()
+            chunks, cut = chunks.result(timeout=60), cut.result(timeout=60)
+        assert code == 0 and time.monotonic() - t0 < 30, err
+        assert "Traceback" not in err and "Exception" not in err, err
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == "abort" and 0 < len(finishes) < 4000
+        assert cut.status_code == 503 and "drain_timeout_s=1" in cut.body["message"]
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def eager_server(qwen2_vl_ckpt, media):
     server = Server(qwen2_vl_ckpt, media, "executor=eager", "executor.max_model_len=256")

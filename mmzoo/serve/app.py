@@ -37,6 +37,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from omegaconf import DictConfig
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmzoo.cli import hydra_main
 from mmzoo.errors import MmzooError
@@ -99,8 +100,45 @@ class TextStream:
 
 
 def _error_body(message: str, param: str | None, status: int = 400) -> dict:
-    kind = "invalid_request_error" if status == 400 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    """OpenAI's error body; ``code`` is the HTTP status, as vLLM's server gives it."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class ShuttingDown(MmzooError):
+    """The server is draining (SIGINT / SIGTERM): a new request is refused, a cut one ends (HTTP 503)."""
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is answered 413 with OpenAI's error body,
+    from its Content-Length before anything is read, else as soon as the bytes read pass the limit
+    (a chunked upload), so an oversized body costs the server at most ``limit`` bytes."""
+
+    def __init__(self, app, limit: int | None):
+        self.app, self.limit = app, limit
+
+    def _message(self, size: str) -> str:
+        return f"the request body is {size} bytes; the server takes at most {self.limit} (limits.max_request_bytes)"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.limit:
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            response = JSONResponse(_error_body(self._message(length.decode()), None, 413), status_code=413)
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # FastAPI re-raises an HTTPException from reading the body
+                    raise StarletteHTTPException(413, self._message(f"over {self.limit}"))
+            return message
+
+        await self.app(scope, limited, send)
 
 
 def _loc(loc: tuple) -> str:
@@ -109,7 +147,7 @@ def _loc(loc: tuple) -> str:
 
 
 def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
-               start_loop: bool = True):
+               start_loop: bool = True, drain_timeout_s: float = 30.0):
     """The FastAPI application serving ``engine`` (built and warmed up).
 
     Args:
@@ -117,10 +155,15 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         served_model_name: the name clients pass as ``model``.
         media_dir: the directory local image / embeddings paths may name; None: only ``data:`` URLs.
         start_loop: start the engine loop with the app's lifespan (tests may drive it themselves).
+        drain_timeout_s: once :meth:`EngineLoop.drain` is called (SIGINT / SIGTERM), how long the
+            requests in flight may take; then they end with ``finish_reason="abort"``.
+
+    Requests are prepared on the host (decoding, tokenizing) in the server's threadpool, several at
+    a time; ``engine.limits`` bound each one before any work (the body's bytes here, its text and
+    media in :meth:`~mmzoo.engine.Engine.prepare`).
     """
-    loop_ = EngineLoop(engine)
+    loop_ = EngineLoop(engine, drain_timeout_s=drain_timeout_s)
     media = MediaSource(media_dir)
-    prepare_lock = threading.Lock()  # one request's host preparation at a time (the tokenizer is shared)
     max_model_len = engine.executor.max_model_len
 
     @contextlib.asynccontextmanager
@@ -132,6 +175,16 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
 
     app = FastAPI(title="mmzoo", lifespan=lifespan)
     app.state.engine_loop = loop_
+    app.add_middleware(BodyLimit, limit=engine.limits.max_request_bytes)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        return JSONResponse(_error_body(str(exc.detail), None, exc.status_code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ShuttingDown)
+    async def _shutting_down(request, exc: ShuttingDown):
+        return JSONResponse(_error_body(str(exc), None, 503), status_code=503)
 
     @app.exception_handler(BadRequest)
     async def _bad(request, exc: BadRequest):
@@ -157,9 +210,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         """The prepared request; an error names the item as the request did (``images[0]`` ->
         ``messages[1].content[0].image_url``)."""
         try:
-            request = Request.parse(fields, where="request")
-            with prepare_lock:
-                return engine.prepare(request)
+            return engine.prepare(Request.parse(fields, where="request"))
         except MmzooError as e:
             msg = str(e)
             for item, param in (names or {}).items():
@@ -172,6 +223,8 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         token past a stop string's end is never yielded), then ``("", None, (finish_reason,
         prompt_tokens, generated token ids))`` as the last item; a client that goes away cancels
         the sequence."""
+        if loop_.draining:
+            raise ShuttingDown("the server is shutting down; it takes no new requests")
         stream = loop_.submit(prepared, asyncio.get_running_loop())
         text = TextStream(engine.decode, stops)
         finished = False
@@ -223,6 +276,9 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
             return PlainTextResponse("", status_code=499)
         gone.cancel()
         text, (reason, n_prompt, tokens) = collect.result()
+        if reason == "abort":  # cut by the drain timeout (a client that left gets no answer)
+            raise ShuttingDown(f"the server is shutting down; the request was cut after drain_timeout_s="
+                               f"{drain_timeout_s:g} with {len(tokens)} tokens generated")
         usage = Usage(prompt_tokens=n_prompt, completion_tokens=len(tokens), total_tokens=n_prompt + len(tokens))
         ids = tokens if body.return_token_ids else None
         if kind == "chat":
@@ -261,11 +317,16 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                     cls = ChatCompletionChunk if kind == "chat" else Completion
                     yield f"data: {cls(id=rid, created=created, model=body.model, choices=[], usage=usage).model_dump_json()}\n\n"
         except MmzooError as e:
-            yield f"data: {json.dumps(_error_body(str(e), None))}\n\n"
+            yield f"data: {json.dumps(_error_body(str(e), None, 503 if isinstance(e, ShuttingDown) else 400))}\n\n"
         yield "data: [DONE]\n\n"
+
+    def check_open() -> None:
+        if loop_.draining:
+            raise ShuttingDown("the server is shutting down; it takes no new requests")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+        check_open()
         check_model(body.model)
         body.refuse_unsupported()
         body.stops()
@@ -275,13 +336,14 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
+        check_open()
         check_model(body.model)
         body.refuse_unsupported()
         body.stops()
         if isinstance(body.prompt, str):
             if not body.prompt:
                 raise BadRequest("prompt is empty", "prompt")
-            ids = await run_in_threadpool(lambda: engine.processor.tokenizer(body.prompt)["input_ids"])
+            ids = await run_in_threadpool(engine.tokenize, body.prompt)
         else:
             ids = body.prompt
         prepared = await run_in_threadpool(prepare, {"prompt_token_ids": list(ids), **body.request_fields()})
@@ -337,13 +399,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# how long after the drain timeout the cut requests have to send their answers before uvicorn closes
+# their connections
+DRAIN_GRACE_S = 5
+
+
 def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's graceful stop on SIGINT / SIGTERM (stop accepting, finish what is in flight
-        within ``timeout_graceful_shutdown``), without re-raising the signal after it: a server
-        that drained cleanly exits 0."""
+        """uvicorn's graceful stop on SIGINT / SIGTERM (stop accepting, finish what is in flight),
+        without re-raising the signal after it: a server that drained cleanly exits 0. The engine
+        loop drains too (``on_drain``): past its timeout it ends the requests still running with
+        ``finish_reason="abort"``, so each gets its answer before uvicorn's own, later, timeout
+        (``timeout_graceful_shutdown``) would cut its connection."""
+
+        def __init__(self, config, on_drain=None):
+            super().__init__(config)
+            self.on_drain = on_drain
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -362,8 +435,14 @@ def _server_class():
                 self.force_exit = True
                 return
             print(f"mmzoo: {signal.Signals(signum).name}: not accepting new connections; finishing the requests in "
-                  f"flight (at most {self.config.timeout_graceful_shutdown} s)", file=sys.stderr, flush=True)
+                  f"flight (at most {self.drain_timeout_s:g} s; again: exit now)", file=sys.stderr, flush=True)
             self.should_exit = True
+            if self.on_drain is not None:
+                self.on_drain()
+
+        @property
+        def drain_timeout_s(self) -> float:
+            return max(0.0, (self.config.timeout_graceful_shutdown or 0) - DRAIN_GRACE_S)
 
     return Server
 
@@ -379,10 +458,14 @@ def run(cfg: DictConfig) -> None:
     t0 = time.perf_counter()
     engine = build(cfg, verbose=True)
     name = cfg.served_model_name or Path(str(engine.checkpoint)).name
-    app = create_app(engine, served_model_name=name, media_dir=cfg.media_dir)
+    drain_s = float(cfg.drain_timeout_s)
+    if drain_s < 0:
+        raise MmzooError(f"drain_timeout_s={cfg.drain_timeout_s} must be 0 or more (seconds)")
+    app = create_app(engine, served_model_name=name, media_dir=cfg.media_dir, drain_timeout_s=drain_s)
     config = uvicorn.Config(app, host=str(cfg.host), port=int(cfg.port), log_level=str(cfg.log_level),
-                            timeout_graceful_shutdown=int(cfg.drain_timeout_s), access_log=bool(cfg.access_log))
-    server = _server_class()(config)
+                            timeout_graceful_shutdown=int(drain_s + 0.999) + DRAIN_GRACE_S,
+                            access_log=bool(cfg.access_log))
+    server = _server_class()(config, on_drain=app.state.engine_loop.drain)
     print(f"mmzoo: serving {name!r} on http://{cfg.host}:{cfg.port}/v1 (ready {time.perf_counter() - t0:.1f} s "
           f"after start; media_dir={cfg.media_dir})", file=sys.stderr, flush=True)
     server.run()

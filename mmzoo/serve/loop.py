@@ -63,8 +63,9 @@ class EngineLoop:
             engine's own ``generate`` waits until the loop stops.
     """
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, *, drain_timeout_s: float = 30.0):
+        self.engine, self.drain_timeout_s = engine, drain_timeout_s
+        self.draining = False
         self.stats = Stats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -97,6 +98,17 @@ class EngineLoop:
     def cancel(self, stream: Stream, reason: str = "abort") -> None:
         """Stop a request now (safe from any thread); its slot frees at the loop's next turn."""
         self._inbox.put(("cancel", (stream, reason)))
+
+    def drain(self) -> None:
+        """The server is stopping (safe from any thread, e.g. a signal handler): take no new
+        requests; ``drain_timeout_s`` from now, end every request still queued or running with
+        ``finish_reason="abort"``."""
+        if self.draining:
+            return
+        self.draining = True
+        timer = threading.Timer(self.drain_timeout_s, lambda: self._inbox.put(("abort_all", None)))
+        timer.daemon = True
+        timer.start()
 
     # -- the loop thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -152,4 +164,7 @@ class EngineLoop:
                 stream, reason = payload
                 if stream.seq is not None:
                     gen.cancel(stream.seq, reason)
+            elif kind == "abort_all":  # the drain timeout passed
+                for stream in list(streams.values()):
+                    gen.cancel(stream.seq, "abort")
             block = False

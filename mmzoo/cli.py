@@ -24,7 +24,13 @@ def cli(fn: Callable[[DictConfig], object], cfg: DictConfig) -> None:
         fn(cfg)
     except Exception as e:  # a resolver's or a builder's MmzooError arrives wrapped by OmegaConf / Hydra
         inner = find_mmzoo_error(e)
-        if inner is None or cfg.get("debug"):
+        if cfg.get("debug"):
+            raise
+        if inner is None and isinstance(e, OSError):  # disk full, no permission: the file and the reason
+            where = f"{e.filename}: " if e.filename else ""
+            print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+            sys.exit(1)
+        if inner is None:
             raise
         print(f"error: {inner}", file=sys.stderr)
         sys.exit(1)

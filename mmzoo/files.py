@@ -18,16 +18,20 @@ from mmzoo.errors import MmzooError
 @contextlib.contextmanager
 def atomic_path(path: str | Path, *, directory: bool = False) -> Iterator[Path]:
     """A temporary path beside ``path`` to write to (a file, or a directory with ``directory=True``);
-    renamed onto ``path`` when the block ends normally, removed if it raises."""
+    renamed onto ``path`` when the block ends normally, removed if it raises (an OSError, such as a
+    full disk, becomes one :class:`MmzooError` naming ``path``)."""
     path = Path(path)
     if not path.parent.is_dir():
         raise MmzooError(f"output directory {path.parent} does not exist")
-    if directory:
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
-    else:
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        tmp = Path(name)
+    try:
+        if directory:
+            tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+        else:
+            fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            os.close(fd)
+            tmp = Path(name)
+    except OSError as e:
+        raise MmzooError(f"cannot write {path}: {e.strerror or e}") from None
     try:
         # mkstemp / mkdtemp make it private (0600 / 0700): give it the mode the file it replaces has,
         # or what the umask gives a new file, as open() would
@@ -36,8 +40,10 @@ def atomic_path(path: str | Path, *, directory: bool = False) -> Iterator[Path]:
         if directory and path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):  # disk full, no permission: the file it was writing, one line
+            raise MmzooError(f"cannot write {path}: {e.strerror or e}") from None
         raise
 
 

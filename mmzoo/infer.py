@@ -107,7 +107,9 @@ def read_requests(path: str | Path, defaults: dict, *, max_line_bytes: int | Non
 def _read_line(data: bytes, n: int, name: str, defaults: dict, max_bytes: int | None) -> Line | None:
     """Line ``n`` of a requests file as a :class:`Line` (None when it is blank)."""
     where = f"{name}:{n}"
-    data = data.rstrip(b"\r\n") if data.endswith(b"\n") else data
+    data = data[:-1] if data.endswith(b"\n") else data
+    if not data.strip(b" \t\r"):  # blank: JSON's whitespace only
+        return None
     if max_bytes and len(data) > max_bytes:
         return Line(n, None, _sha(data.hex()), error=f"{where}: the line is {len(data)} bytes; a request may have at "
                                                      f"most {max_bytes} (limits.max_request_bytes)")
@@ -115,8 +117,6 @@ def _read_line(data: bytes, n: int, name: str, defaults: dict, max_bytes: int | 
         raw = data.decode("utf-8")
     except UnicodeDecodeError as e:
         return Line(n, None, _sha(data.hex()), error=f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)")
-    if not raw.strip():
-        return None
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, an integer of over 4300 digits
@@ -125,7 +125,9 @@ def _read_line(data: bytes, n: int, name: str, defaults: dict, max_bytes: int | 
         return Line(n, None, _sha(raw), error=f"{where}: not valid JSON ({msg})")
     if not isinstance(obj, dict):
         return Line(n, None, _sha(raw), error=f"{where}: a request line must be a JSON object, not {type(obj).__name__}")
-    values = {**defaults, "id": n, **obj}
+    values = {**defaults, **obj}
+    if values.get("id") is None:  # absent or null: the line number
+        values["id"] = n
     rid = values["id"]
     rid = rid if isinstance(rid, (int, str)) and not isinstance(rid, bool) else None
     try:
@@ -348,8 +350,8 @@ def run(cfg: DictConfig) -> list[dict]:
             extra = [row for key, row in done.items() if key not in known]  # rows of ids no longer asked for
             try:
                 write_jsonl(out_path, ordered + extra)  # in request order, atomically
-            except (OSError, _Interrupted) as e:
-                why = f"{e.strerror or e}" if isinstance(e, OSError) else f"{e} during the rewrite"
+            except (MmzooError, _Interrupted) as e:
+                why = f"{e} during the rewrite" if isinstance(e, _Interrupted) else str(e)
                 print(f"error: could not rewrite output={out_path} in request order ({why}); it holds every "
                       f"result (in the order they finished); rerun with resume=true to write it in order",
                       file=sys.stderr, flush=True)

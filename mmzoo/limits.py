@@ -15,7 +15,9 @@ tokenized.
 
 from __future__ import annotations
 
+import io
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -39,7 +41,8 @@ class Limits:
         max_prompt_chars: the characters of a request's text (prompt, or all messages' text);
             None: derived from ``max_model_len`` and the tokenizer (:func:`prompt_chars_bound`).
         max_media_items: images + videos + audios in one request.
-        max_media_bytes: their encoded bytes together (files, ``data:`` URLs, an embeddings file).
+        max_media_bytes: their encoded bytes together (files, ``data:`` URLs, an embeddings file;
+            not objects already decoded).
         max_media_pixels: the pixels of a request's images and video frames together, read from
             the files' headers before anything is decoded.
     """
@@ -111,8 +114,8 @@ def check_request(request, limits: Limits, *, max_prompt_chars: int | None) -> N
                          f"{limits.max_media_items} (limits.max_media_items)")
     if limits.max_media_bytes:
         total = sum(_nbytes(x) for _, _, x in items)
-        if request.embeds is not None and Path(request.embeds).is_file():
-            total += Path(request.embeds).stat().st_size
+        if request.embeds is not None:
+            total += _nbytes(request.embeds)
         if total > limits.max_media_bytes:
             raise MmzooError(f"the request's media are {total} bytes; a request may have at most "
                              f"{limits.max_media_bytes} (limits.max_media_bytes)")
@@ -128,23 +131,21 @@ def check_request(request, limits: Limits, *, max_prompt_chars: int | None) -> N
 
 
 def _nbytes(item: Any) -> int:
-    """An item's encoded bytes: a file's size, a ``bytes``' length, an array's; a video: its frames'."""
+    """An item's encoded bytes: a file's size, a ``bytes``' length (a ``data:`` URL's); a video: its
+    frames'. Objects already decoded (PIL images, arrays, tensors: the Python API's) count 0 here;
+    their pixels count in ``max_media_pixels``."""
     if isinstance(item, (bytes, bytearray)):
         return len(item)
-    if isinstance(item, np.ndarray):
-        return item.nbytes
-    if isinstance(item, Image.Image):
-        return item.width * item.height * len(item.getbands())
     if isinstance(item, (list, tuple)):
         return sum(_nbytes(x) for x in item)
-    if hasattr(item, "nbytes"):  # a torch tensor (audio samples)
-        return int(item.nbytes)
+    if not isinstance(item, (str, Path)):
+        return 0
     path = Path(str(item))
     try:
         if path.is_dir():
             return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
         return path.stat().st_size
-    except OSError:  # missing or unreadable: the loader names it
+    except (OSError, ValueError):  # missing, unreadable, a NUL in the name: the loader names it
         return 0
 
 
@@ -159,10 +160,11 @@ def _frames(kind: str, item: Any) -> Iterator[Any]:
         yield from item
     else:
         path = Path(str(item))
-        if path.is_dir():
-            yield from sorted(p for p in path.iterdir() if p.is_file())
-        else:
-            yield path
+        try:
+            frames = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+        except (OSError, ValueError):  # the loader says why
+            frames = []
+        yield from frames
 
 
 def _pixels(item: Any, *, all_frames: bool) -> int:
@@ -173,12 +175,9 @@ def _pixels(item: Any, *, all_frames: bool) -> int:
     if isinstance(item, Image.Image):
         return item.width * item.height
     source = item if isinstance(item, (bytes, bytearray)) else Path(str(item))
-    if isinstance(source, Path) and not (source.is_file() and os.access(source, os.R_OK)):
-        return 0
-    import io
-    import warnings
-
     try:
+        if isinstance(source, Path) and not (source.is_file() and os.access(source, os.R_OK)):
+            return 0
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source) as img:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import mmzoo
 from mmzoo import files, infer as infer_mod
@@ -176,3 +178,55 @@ def test_output_files_follow_the_umask(tmp_path):
     existing.chmod(0o604)
     files.write_jsonl(existing, [{"a": 2}])  # a rewrite keeps the file's mode
     assert existing.stat().st_mode & 0o777 == 0o604
+
+
+# -------------------------------------------------------------------- hypothesis: any requests file
+
+_ids = st.one_of(st.integers(-5, 30), st.text(max_size=4), st.none(), st.booleans(), st.floats(allow_nan=False))
+_values = st.one_of(st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\n"), max_size=12)
+                    | st.sampled_from(["a\u2028b", "c\u0085d", "\r", "\u2029"]),
+                    st.integers(-3, 10 ** 6), st.booleans(), st.none(), st.lists(st.integers(0, 9), max_size=3))
+_objects = st.fixed_dictionaries({}, optional={"id": _ids, "prompt": _values, "max_new_tokens": _values,
+                                               "temperature": _values, "images": _values, "bogus": _values})
+_lines = st.one_of(_objects.map(lambda o: json.dumps(o, ensure_ascii=False).encode()),
+                   _objects.map(lambda o: json.dumps(o).encode()),
+                   st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")),
+                   st.sampled_from([b"", b"   ", b"[]", b"null", b"{", b'{"id": 1}\r', b"\xff\xfe", b"1" * 5000]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(_lines, max_size=10))
+def test_any_requests_file_is_read_line_by_line(tmp_path, lines):
+    reqs = tmp_path / "reqs.jsonl"
+    reqs.write_bytes(b"\n".join(lines))
+    read = infer_mod.read_requests(reqs, {"max_new_tokens": 4}, max_line_bytes=4096)
+    blank = {n for n, line in enumerate(lines, 1) if not line.strip(b" \t\r")}  # JSON's whitespace
+    assert [x.line for x in read] == [n for n in range(1, len(lines) + 1) if n not in blank]  # one per line, in order
+    ids = [x.key for x in read if x.request is not None]
+    assert len(ids) == len(set(ids))  # no two runnable requests share an id
+    for x in read:
+        assert (x.request is None) == (x.error is not None)
+        assert x.id is not None or x.error  # a line without a readable id never runs
+        if x.error:
+            assert isinstance(x.error, str) and "\n" not in x.error.strip()
+        raw = lines[x.line - 1]
+        try:
+            obj = json.loads(raw.decode())
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            obj = None
+        if isinstance(obj, dict) and x.request is not None:
+            given = obj.get("id")
+            assert x.request.id == (x.line if given is None else given)  # the line's own id, else its line number
+
+
+def test_a_write_that_fails_is_one_error_naming_the_file(tmp_path):
+    import errno
+
+    target = tmp_path / "emb.safetensors"
+    with pytest.raises(mmzoo.MmzooError, match=f"cannot write {target}: No space left on device"):
+        with files.atomic_path(target) as tmp:
+            tmp.write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its temporary
+    with pytest.raises(mmzoo.MmzooError, match="cannot write /proc/x.jsonl"):
+        files.write_jsonl("/proc/x.jsonl", [{"a": 1}])

@@ -115,9 +115,9 @@ class _System:
 
 def _requests(spec: dict, new: int) -> tuple[dict, list[dict]]:
     """The image request and the batch of text requests, ``new`` tokens each, EOS ignored."""
-    from PIL import Image
+    from transformers.image_utils import load_image
 
-    image = Image.open(spec["image"]).convert("RGB")
+    image = load_image(str(spec["image"]))  # the file as transformers reads it; both systems get this image
     one = {"prompt": spec["prompt"], "images": [image], "max_new_tokens": new, "ignore_eos": True}
     batch = [{"prompt": p, "max_new_tokens": new, "ignore_eos": True} for p in spec["batch_prompts"]]
     return one, batch

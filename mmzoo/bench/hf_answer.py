@@ -27,10 +27,10 @@ def main(argv: list[str]) -> None:
         reqs = [{"prompt": "What shape is this?", "images": [str(ASSETS / "sample.png")]}]
     processor = AutoProcessor.from_pretrained(checkpoint, local_files_only=True)
     model = Qwen2VLForConditionalGeneration.from_pretrained(checkpoint, local_files_only=True).eval()
-    from PIL import Image
+    from transformers.image_utils import load_image  # what a transformers user reads a file with
 
     for req in reqs:
-        images = [Image.open(p).convert("RGB") for p in req.get("images", [])]
+        images = [load_image(str(p)) for p in req.get("images", [])]
         content = [{"type": "image"}] * len(images) + [{"type": "text", "text": req["prompt"]}]
         text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)

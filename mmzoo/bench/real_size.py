@@ -154,8 +154,8 @@ def _prompts(rs: DictConfig, checkpoint: Path, image_path: Path) -> dict:
     """The image request's text (``prompt_text``) and its whole prompt's token count (chat
     template and image tokens included), and the batch's texts (``batch_prompt_tokens`` each, cut
     from the tokenizer's own corpus)."""
-    from PIL import Image
     from transformers import AutoProcessor
+    from transformers.image_utils import load_image
 
     from mmzoo.bench.workload import PromptText
 
@@ -164,7 +164,7 @@ def _prompts(rs: DictConfig, checkpoint: Path, image_path: Path) -> dict:
     content = [{"type": "image"}, {"type": "text", "text": text}]
     rendered = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
-    image = Image.open(image_path).convert("RGB")
+    image = load_image(str(image_path))  # as a transformers user reads the file (mmzoo reads a path the same way)
     n = int(processor(text=[rendered], images=[image], return_tensors="np")["input_ids"].shape[1])
     source, rng = PromptText(processor.tokenizer, int(rs.seed)), np.random.default_rng(int(rs.seed))
     batch = [source(int(rs.batch_prompt_tokens), rng) for _ in range(int(rs.batch))]

@@ -264,7 +264,12 @@ class MediaSource:
         if self.root is None:
             raise BadRequest(f"{param}: local files are not served (start the server with media_dir=DIR)", param)
         path = Path(ref[len("file://"):] if ref.startswith("file://") else ref)
-        path = (path if path.is_absolute() else self.root / path).resolve()
+        try:
+            path = (path if path.is_absolute() else self.root / path).resolve()
+            path.exists()  # raises for a name too long
+        except (OSError, ValueError) as e:  # a NUL byte, a name too long, a symlink loop
+            why = e.strerror if isinstance(e, OSError) and e.strerror else e
+            raise BadRequest(f"{param}: {ref[:200]!r} is not a usable path ({why})", param) from None
         if os.path.commonpath([path, self.root]) != str(self.root):
             raise BadRequest(f"{param}: {ref} is outside the allowed media directory {self.root}", param)
         return path

@@ -111,79 +111,120 @@ def checkpoint_files(checkpoint: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint directory: ``model.safetensors`` or the shards listed
     in ``model.safetensors.index.json``; anything else is an :class:`MmzooError` saying what is there."""
     root = Path(checkpoint)
-    index, single = root / "model.safetensors.index.json", root / "model.safetensors"
+    index, single = root / INDEX, root / "model.safetensors"
     if index.is_file():
-        files = [root / name for name in _shards(index)]
+        files = [root / name for name in sorted(set(weight_map(index).values()))]
     elif single.is_file():
         files = [single]
     else:
         pickles = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt"))
         hint = f" (found {', '.join(pickles)}: pickle weights are not loaded; convert them to safetensors)" if pickles else ""
-        raise MmzooError(f"checkpoint {root} has no model.safetensors or model.safetensors.index.json{hint}")
+        raise MmzooError(f"checkpoint {root} has no model.safetensors or {INDEX}{hint}")
     for path in files:
-        if not path.is_file():
-            raise MmzooError(f"checkpoint shard {path} listed in {index.name} does not exist")
+        try:
+            exists = path.is_file()
+        except OSError as e:  # a name the file system refuses (too long)
+            raise MmzooError(f"checkpoint shard {path.name[:80]!r} listed in {index.name} cannot be opened "
+                             f"({e.strerror})") from None
+        if not exists:
+            raise MmzooError(f"checkpoint shard {_shown(str(path))} listed in {index.name} does not exist")
     return files
 
 
-def _shards(index: Path) -> list[str]:
-    """The shard file names an index's ``weight_map`` lists (tensor name -> file name in the
-    checkpoint directory), refusing a malformed index and any file outside the directory."""
-    try:
-        raw = json.loads(index.read_text())
-    except ValueError as e:  # not JSON, or not UTF-8
-        raise MmzooError(f"{index} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict) or "weight_map" not in raw:
+INDEX = "model.safetensors.index.json"
+
+
+def weight_map(index: Path) -> dict[str, str]:
+    """An index's ``weight_map`` (tensor name -> shard file name in the checkpoint directory),
+    refusing a malformed index and any file outside the directory."""
+    from mmzoo.config import read_json_object
+
+    raw = read_json_object(index)
+    if "weight_map" not in raw:
         raise MmzooError(f"{index} has no weight_map (tensor name -> shard file name)")
-    weight_map = raw["weight_map"]
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    mapping = raw["weight_map"]
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
         raise MmzooError(f"{index}: weight_map must map each tensor name to a shard file name, "
-                         f"got {json.dumps(weight_map)[:80]}")
-    for key, name in weight_map.items():
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise MmzooError(f"{index}: tensor {key} is in {name!r}, outside the checkpoint directory")
-    return sorted(set(weight_map.values()))
+                         f"got {json.dumps(mapping)[:80]}")
+    if not mapping:
+        raise MmzooError(f"{index}: weight_map is empty (it lists no tensor)")
+    for key, name in mapping.items():
+        if not name or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise MmzooError(f"{index}: tensor {_shown(key)} is in {name!r}, outside the checkpoint directory")
+    return mapping
 
 
 def checkpoint_tensors(checkpoint: str | Path) -> dict[str, LazyTensor]:
-    """Every tensor of a checkpoint directory as a :class:`LazyTensor` (only the headers are read)."""
+    """Every tensor of a checkpoint directory as a :class:`LazyTensor` (only the headers are read).
+    With an index, each shard must hold exactly the tensors its ``weight_map`` puts there (a
+    tensor in another shard, twice, or in none is refused: which copy is read would be a guess)."""
+    root = Path(checkpoint)
+    index = root / INDEX
+    listed = weight_map(index) if index.is_file() else None
     out: dict[str, LazyTensor] = {}
     for path in checkpoint_files(checkpoint):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
+                    if key in out:
+                        raise MmzooError(f"checkpoint tensor {_shown(key)} is in both {_shown(out[key].path.name)} and "
+                                         f"{_shown(path.name)}")
+                    if listed is not None and listed.get(key) != path.name:
+                        where = f"puts it in {_shown(listed[key])}" if key in listed else "does not list it"
+                        raise MmzooError(f"{index}: shard {_shown(path.name)} holds tensor {_shown(key)}, "
+                                         f"but weight_map {where}")
                     s = f.get_slice(key)
                     dtype = _DTYPES.get(s.get_dtype())
                     if dtype is None:
-                        raise MmzooError(f"checkpoint file {path}: tensor {key} has dtype {s.get_dtype()}, "
+                        raise MmzooError(f"checkpoint file {path}: tensor {_shown(key)} has dtype {s.get_dtype()}, "
                                          f"which mmzoo does not load")
                     out[key] = LazyTensor(path, key, torch.Size(s.get_shape()), dtype)
         except (SafetensorError, OSError) as e:
             raise _unreadable(path, e) from None
+    if listed is not None:
+        absent = sorted(set(listed) - set(out))
+        if absent:
+            raise MmzooError(f"{index}: weight_map lists {len(absent)} tensors its shards do not hold, e.g. "
+                             f"{_shown(absent[0])} in {_shown(listed[absent[0]])}")
     return out
 
 
 def _unreadable(path: Path, error: Exception) -> MmzooError:
-    return MmzooError(f"checkpoint file {path} is not a readable safetensors file ({error}): it may be "
+    return MmzooError(f"checkpoint file {_shown(str(path))} is not a readable safetensors file ({error}): it may be "
                       f"truncated or corrupt")
 
 
-def check_names(expected: Mapping[str, torch.Size], given: Mapping, *, source: str, optional=frozenset()) -> None:
+def _shown(name: str) -> str:
+    """A name from a checkpoint's files as a message shows it: as it is, or quoted with its escapes
+    when it holds a character that is not printable (a newline would split the one-line error)."""
+    return name if name.isprintable() else repr(name)
+
+
+def check_names(expected: Mapping[str, torch.Size], given: Mapping, *, source: str, optional=frozenset(),
+                floating=frozenset()) -> None:
     """Refuse ``given`` (name -> tensor or :class:`LazyTensor`) unless it has exactly the names of
-    ``expected`` (name -> shape; ``optional`` ones may be absent) with their shapes, naming every
-    missing, unexpected or mis-shaped tensor."""
+    ``expected`` (name -> shape; ``optional`` ones may be absent) with their shapes, and floating
+    point values for the names in ``floating`` (a float parameter is cast to the run dtype; an
+    integer or boolean tensor there would be taken as it is), naming every missing, unexpected,
+    mis-shaped or mis-typed tensor."""
     missing = sorted(set(expected) - set(given) - set(optional))
     unexpected = sorted(set(given) - set(expected))
     problems = []
     if missing:
-        problems.append(f"missing {len(missing)} tensors: {', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}")
+        problems.append(f"missing {len(missing)} tensors: {', '.join(map(_shown, missing[:20]))}"
+                        f"{' ...' if len(missing) > 20 else ''}")
     if unexpected:
-        problems.append(f"unexpected {len(unexpected)} tensors: {', '.join(unexpected[:20])}"
+        problems.append(f"unexpected {len(unexpected)} tensors: {', '.join(map(_shown, unexpected[:20]))}"
                         f"{' ...' if len(unexpected) > 20 else ''}")
     shapes = [f"{k} {tuple(given[k].shape)} vs {tuple(v)}" for k, v in expected.items()
               if k in given and tuple(given[k].shape) != tuple(v)]
     if shapes:
         problems.append(f"shape mismatch (checkpoint vs model): {'; '.join(shapes[:10])}")
+    types = [f"{k} {str(given[k].dtype).replace('torch.', '')}" for k in sorted(floating)
+             if k in given and not given[k].dtype.is_floating_point]
+    if types:
+        problems.append(f"not floating point (the model's weights are): {', '.join(types[:10])}"
+                        f"{' ...' if len(types) > 10 else ''}")
     if problems:
         raise MmzooError(f"weights in {source} do not match the model: " + "; ".join(problems))
 
@@ -217,6 +258,13 @@ def parameter_shapes(module: nn.Module) -> dict[str, torch.Size]:
                       for b in m._non_persistent_buffers_set}
     out.update({name: b.shape for name, b in module.named_buffers() if name not in non_persistent})
     return out
+
+
+def floating_names(module: nn.Module) -> set[str]:
+    """The names (tied aliases included) of the floating-point parameters and persistent buffers."""
+    shapes = parameter_shapes(module)
+    tensors = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers())}
+    return {name for name in shapes if tensors[name].is_floating_point()}
 
 
 def tied_aliases(module: nn.Module) -> dict[str, str]:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import re
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -47,25 +49,30 @@ def _read_config(path: str, mtime: float):
 
     root = Path(path)
     cfg_path = root / "config.json"
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except ValueError as e:  # not JSON, or not UTF-8
-        raise MmzooError(f"{cfg_path} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise MmzooError(f"{cfg_path} is not a JSON object (it holds a {type(raw).__name__})")
-    archs = raw.get("architectures") or []
-    if not archs:
-        raise MmzooError(f"{cfg_path} names no architectures")
+    raw = read_json_object(cfg_path)
+    check_config_json(raw, cfg_path)
     try:
         config = AutoConfig.from_pretrained(str(root), local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
-        raise MmzooError(f"{cfg_path}: transformers cannot read this config ({str(e).splitlines()[0]})") from None
-    return config, archs[0]
+    except Exception as e:  # noqa: BLE001 - transformers' config classes raise anything on a bad value
+        raise MmzooError(f"{cfg_path}: transformers cannot read this config ({_reason(e)})") from None
+    return config, raw["architectures"][0], raw
 
 
 def read_config(checkpoint: str | Path):
     """``(transformers config, first architecture)`` of a checkpoint directory, with errors that
-    name the directory (missing, not a directory, no or bad config.json)."""
+    name the directory (missing, not a directory, no or bad config.json) or the file, the field and
+    the value (:func:`check_config_json`)."""
+    config, arch, _ = _read_checkpoint_config(checkpoint)
+    return config, arch
+
+
+def read_config_json(checkpoint: str | Path) -> dict:
+    """The checked ``config.json`` of a checkpoint directory as it is in the file (a dict: do not
+    change it), for what transformers' config classes hide (which keys the file sets)."""
+    return _read_checkpoint_config(checkpoint)[2]
+
+
+def _read_checkpoint_config(checkpoint: str | Path):
     root = Path(checkpoint)
     if not root.exists():
         raise MmzooError(f"checkpoint directory {root} does not exist")
@@ -75,6 +82,161 @@ def read_config(checkpoint: str | Path):
     if not cfg_path.is_file():
         raise MmzooError(f"checkpoint {root} has no config.json")
     return _read_config(str(root.resolve()), cfg_path.stat().st_mtime)
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding an object (a checkpoint's config.json, generation_config.json, ...)."""
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise MmzooError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise MmzooError(f"{path} is not a JSON object (it holds a {type(raw).__name__})")
+    return raw
+
+
+def _reason(e: BaseException) -> str:
+    """The line of a third-party exception that says what is wrong: transformers' config
+    validation puts it last (``Validation error for field 'x':\n    TypeError: ...``)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    line = lines[-1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]
+    return re.sub(r"^[A-Za-z]*(Error|Exception): ", "", line)[:300]
+
+
+# ----------------------------------------------------------------------------- config.json values
+
+# What mmzoo reads from a checkpoint's config.json (the ${hf:...} paths of conf/model and the
+# families' own), by key, wherever it stands: at the top (Qwen2-VL's hub layout is flat) or in a
+# sub-config. Each is refused here, naming the file, the field and the value, before transformers'
+# config classes see it (they raise a traceback or take it silently: a negative rope_theta, a
+# string for a boolean).
+SUBCONFIGS = ("text_config", "vision_config", "audio_config")
+_POSITIVE_INT = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",  # LMs, CLIP
+    "embed_dim", "depth", "num_heads", "in_channels", "patch_size", "temporal_patch_size",  # Qwen2-VL's ViT
+    "spatial_merge_size", "image_size", "num_channels",
+    "num_mel_bins", "d_model", "encoder_layers", "encoder_attention_heads", "encoder_ffn_dim",  # Whisper
+    "max_source_positions"})
+_OPTIONAL_POSITIVE_INT = frozenset({"num_key_value_heads", "head_dim"})  # null: transformers derives it
+# Past any model's size (vocabularies reach 262144, widths 16384, MLPs 53248), and small enough that
+# what is built from the sizes before the weights are checked (rotary tables) stays small.
+MAX_SIZE = 1 << 20
+_POSITIVE_NUMBER = frozenset({"rms_norm_eps", "layer_norm_eps", "rope_theta", "mlp_ratio"})
+_TOKEN_ID = frozenset({"image_token_id", "image_token_index", "video_token_id", "audio_token_index"})
+_BOOL = frozenset({"tie_word_embeddings", "use_sliding_window", "multimodal_projector_bias"})
+_STRING = frozenset({"model_type", "hidden_act", "projector_hidden_act", "activation_function",
+                     "vision_feature_select_strategy"})
+_ROPE = ("rope_parameters", "rope_scaling")
+DTYPE_NAMES = frozenset({"auto", "float32", "float16", "bfloat16", "float64", "float", "half", "double",
+                         "float8_e4m3fn", "float8_e5m2"})
+
+
+def check_config_json(raw: dict, path: Path) -> None:
+    """Refuse a config.json whose values mmzoo reads have the wrong type or range, or do not fit
+    together (heads dividing the width, GQA groups, M-RoPE sections): one :class:`MmzooError`
+    naming ``path``, the field and the value."""
+    archs = raw.get("architectures")
+    if not archs:
+        raise MmzooError(f"{path} names no architectures")
+    if not isinstance(archs, list) or not all(isinstance(a, str) and a for a in archs):
+        raise MmzooError(f"{path}: architectures={_show(archs)} must be a list of model class names")
+    for key in ("dtype", "torch_dtype"):
+        value = raw.get(key)
+        if value is not None and not (isinstance(value, str) and value in DTYPE_NAMES):
+            raise MmzooError(f"{path}: {key}={_show(value)} is not a torch dtype; expected one of "
+                             f"{sorted(DTYPE_NAMES)}")
+    if "vision_feature_layer" in raw:
+        layer = raw["vision_feature_layer"]
+        layers = layer if isinstance(layer, list) else [layer]
+        if not layers or not all(_is_int(i) for i in layers):
+            raise MmzooError(f"{path}: vision_feature_layer={_show(layer)} must be a layer index (an integer) "
+                             f"or a non-empty list of them")
+    _check_section(raw, "", path)
+    for name in SUBCONFIGS:
+        if name in raw:
+            if not isinstance(raw[name], dict):
+                raise MmzooError(f"{path}: {name} must be an object of the {name.split('_')[0]} model's settings, "
+                                 f"got {_show(raw[name])}")
+            _check_section(raw[name], f"{name}.", path)
+
+
+def _check_section(d: dict, prefix: str, path: Path) -> None:
+    """The values of one (sub)config, and how they fit together."""
+    def bad(key: str, what: str):
+        return MmzooError(f"{path}: {prefix}{key}={_show(d[key])} {what}")
+
+    for key, value in d.items():
+        if key in _POSITIVE_INT and not (_is_int(value) and value > 0):
+            raise bad(key, "must be a positive integer")
+        if key in _OPTIONAL_POSITIVE_INT and value is not None and not (_is_int(value) and value > 0):
+            raise bad(key, "must be a positive integer (or null)")
+        if (key in _POSITIVE_INT or key in _OPTIONAL_POSITIVE_INT) and value is not None and value > MAX_SIZE:
+            raise bad(key, f"is larger than any model's (mmzoo takes at most {MAX_SIZE})")
+        if key in _POSITIVE_NUMBER and not _positive_number(value):
+            raise bad(key, "must be a positive finite number")
+        if key in _TOKEN_ID and not (_is_int(value) and value >= 0):
+            raise bad(key, "must be a token id (an integer >= 0)")
+        if key in _BOOL and not isinstance(value, bool):
+            raise bad(key, "must be true or false")
+        if key in _STRING and not (isinstance(value, str) and value):
+            raise bad(key, "must be a non-empty string")
+        if key == "eos_token_id" and value is not None:
+            ids = value if isinstance(value, list) else [value]
+            if not ids or not all(_is_int(i) and i >= 0 for i in ids):
+                raise bad(key, "must be a token id (an integer >= 0) or a non-empty list of them")
+    heads, kv, width = d.get("num_attention_heads"), d.get("num_key_value_heads"), d.get("hidden_size")
+    head_dim = d.get("head_dim")
+    if heads and kv and heads % kv:
+        raise MmzooError(f"{path}: {prefix}num_key_value_heads={kv} does not divide num_attention_heads={heads}")
+    if width and heads and head_dim is None and width % heads:
+        raise MmzooError(f"{path}: {prefix}hidden_size={width} is not a multiple of num_attention_heads={heads} "
+                         f"(and no head_dim is given)")
+    for dim, n in (("embed_dim", "num_heads"), ("d_model", "encoder_attention_heads"), ("image_size", "patch_size")):
+        if d.get(dim) and d.get(n) and d[dim] % d[n]:
+            raise MmzooError(f"{path}: {prefix}{dim}={d[dim]} is not a multiple of {n}={d[n]}")
+    rope_head = head_dim or (width // heads if width and heads else None)
+    for rope in _ROPE:
+        params = d.get(rope)
+        if rope not in d or params is None:
+            continue
+        if not isinstance(params, dict):
+            raise MmzooError(f"{path}: {prefix}{rope}={_show(params)} must be an object (rope_theta, rope_type, ...)")
+        where = f"{prefix}{rope}."
+        for key in ("rope_type", "type"):
+            if key in params and not (isinstance(params[key], str) and params[key]):
+                raise MmzooError(f"{path}: {where}{key}={_show(params[key])} must be a non-empty string")
+        if "rope_theta" in params and not _positive_number(params["rope_theta"]):
+            raise MmzooError(f"{path}: {where}rope_theta={_show(params['rope_theta'])} must be a positive finite "
+                             f"number")
+        if "mrope_section" in params:
+            sections = params["mrope_section"]
+            if not (isinstance(sections, list) and len(sections) == 3 and all(_is_int(s) and s > 0 for s in sections)):
+                raise MmzooError(f"{path}: {where}mrope_section={_show(sections)} must be 3 positive integers "
+                                 f"(the rotary pairs of the t, h, w position axes)")
+            if rope_head and sum(sections) * 2 != rope_head:
+                raise MmzooError(f"{path}: {where}mrope_section={sections} sums to {sum(sections)}, but head_dim/2 = "
+                                 f"{rope_head / 2:g}" + ("" if head_dim else f" (hidden_size={width} / "
+                                                          f"num_attention_heads={heads} / 2)"))
+    if prefix in ("", "text_config.") and heads and rope_head and rope_head % 2:
+        raise MmzooError(f"{path}: {prefix}head_dim={rope_head}" + ("" if head_dim else f" (hidden_size={width} / "
+                         f"num_attention_heads={heads})") + " is odd; rotary embeddings rotate pairs of channels")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
+def _show(value: Any) -> str:
+    """A config value as the file has it (JSON), cut to a readable length."""
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ----------------------------------------------------------------------------- resolvers

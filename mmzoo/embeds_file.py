@@ -34,7 +34,11 @@ def write(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str
 
 
 def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors and metadata of an embeddings file, with a clear error for anything else."""
+    """Tensors and metadata of an embeddings file, with a clear error for anything else: not a
+    safetensors file, not written by ``mmzoo.encode``, unknown tensors, metadata missing or
+    malformed (model, fingerprint, lm_hidden_size), no embeddings, a layout without its embeddings,
+    audio embeddings without each clip's length. The rows' consistency with the layout and the LM
+    is checked where the request is prepared (:mod:`mmzoo.models._embeds`, the family)."""
     path = Path(path)
     if not path.is_file():
         raise MmzooError(f"embeds file {path} does not exist")
@@ -49,6 +53,23 @@ def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     unknown = sorted(set(tensors) - set(TENSOR_FIELDS))
     if unknown:
         raise MmzooError(f"embeds file {path} has unknown tensors {unknown}")
+    for key in ("model", "fingerprint"):
+        if not meta.get(key):
+            raise MmzooError(f"embeds file {path} has no {key} in its metadata (mmzoo.encode writes it)")
+    hidden = meta.get("lm_hidden_size")
+    if hidden is None:
+        raise MmzooError(f"embeds file {path} has no lm_hidden_size in its metadata (mmzoo.encode writes it)")
+    if not (hidden.isascii() and hidden.isdigit() and int(hidden) > 0):
+        raise MmzooError(f"embeds file {path}: metadata lm_hidden_size={hidden!r} must be a positive integer")
+    if not any(k.endswith("_embeds") for k in tensors):
+        raise MmzooError(f"embeds file {path} holds no embeddings (image_embeds, video_embeds or audio_embeds)")
+    for emb, layout in (("image_embeds", "image_grid_thw"), ("video_embeds", "video_grid_thw"),
+                        ("audio_embeds", "audio_lengths")):
+        if layout in tensors and emb not in tensors:
+            raise MmzooError(f"embeds file {path} has {layout} but no {emb}")
+    if "audio_embeds" in tensors and "audio_lengths" not in tensors:  # without it the clips would run together
+        raise MmzooError(f"embeds file {path} has audio_embeds but no audio_lengths (each clip's rows, which "
+                         f"mmzoo.encode writes)")
     return tensors, meta
 
 

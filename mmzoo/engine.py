@@ -33,7 +33,7 @@ from mmzoo.config import read_config
 from mmzoo.errors import MmzooError, find_mmzoo_error
 from mmzoo.executor import Drain, Executor
 from mmzoo.limits import Limits, check_request, prompt_chars_bound
-from mmzoo.models import MultimodalLM, Tower
+from mmzoo.models import Family, MultimodalLM, Tower
 from mmzoo.types import DTYPES, Prepared, Request, Result
 
 COMPONENTS = ("encoder", "adapter", "lm")
@@ -62,8 +62,8 @@ class Engine:
         # the processor taken from this pool (a tokenizer must not be used by two threads at once)
         self._processors: queue.SimpleQueue = queue.SimpleQueue()
         self.limits = Limits.from_config(cfg.get("limits"))
-        self.max_prompt_chars = self.limits.max_prompt_chars or prompt_chars_bound(
-            processor.tokenizer, executor.max_model_len)
+        self.max_prompt_chars = prompt_chars_bound(processor.tokenizer, executor.max_model_len) \
+            if self.limits.max_prompt_chars == "auto" else self.limits.max_prompt_chars
 
     @property
     def name(self) -> str:
@@ -127,7 +127,7 @@ class Engine:
 
     def tokenize(self, text: str) -> list[int]:
         """``text``'s token ids (no chat template), within the prompt limit; safe from any thread."""
-        if len(text) > self.max_prompt_chars:
+        if self.max_prompt_chars and len(text) > self.max_prompt_chars:
             check_request(Request(prompt=text), self.limits, max_prompt_chars=self.max_prompt_chars)
         with self._processor() as processor:
             return processor.tokenizer(text)["input_ids"]
@@ -287,15 +287,28 @@ def cast_note(t: torch.Tensor, dtype: torch.dtype, field: str) -> torch.Tensor:
     return t
 
 
-def _eos_ids(checkpoint: Path, config, tokenizer) -> list[int]:
-    from transformers import GenerationConfig
+def _eos_ids(checkpoint: Path, config, tokenizer, *, vocab_size: int) -> list[int]:
+    """The ids generation stops at: generation_config.json's ``eos_token_id``, else config.json's,
+    else the tokenizer's; each must be a token id of the LM's ``vocab_size`` rows."""
+    import json
 
     eos: Any = None
-    if (checkpoint / "generation_config.json").is_file():
-        eos = GenerationConfig.from_pretrained(str(checkpoint), local_files_only=True).eos_token_id
+    path = checkpoint / "generation_config.json"
+    if path.is_file():
+        eos, where = _config.read_json_object(path).get("eos_token_id"), f"{path}: eos_token_id"
     if eos is None:
-        eos = getattr(config, "eos_token_id", None) or tokenizer.eos_token_id
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+        eos, where = getattr(config, "eos_token_id", None), f"{checkpoint}/config.json: eos_token_id"
+    if eos is None:
+        eos, where = tokenizer.eos_token_id, f"the tokenizer's eos_token ({tokenizer.eos_token!r}) id"
+    if eos is None:
+        return []
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    bad = [e for e in ids if not (isinstance(e, int) and not isinstance(e, bool) and 0 <= e < vocab_size)]
+    if bad or not ids:
+        which = f"; {json.dumps(bad[0])} is not" if bad and len(ids) > 1 else ""
+        raise MmzooError(f"{where}={json.dumps(eos)} must be a token id of the vocabulary (0 to {vocab_size - 1}) "
+                         f"or a non-empty list of them{which}")
+    return ids
 
 
 def instantiate_part(node: DictConfig, where: str, **kwargs):
@@ -449,8 +462,9 @@ def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, 
         allow_fingerprint_mismatch: accept embeddings files made by other encoder weights (warns);
             None: ``cfg.allow_fingerprint_mismatch``.
     """
-    from transformers import AutoProcessor
+    from hydra.utils import get_class
 
+    from mmzoo.checkpoint import read_processor
     from mmzoo.executor import mesh_option
 
     name = cfg.model.get("name", "?")
@@ -471,10 +485,19 @@ def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, 
             raise MmzooError(f"config.json architecture {arch!r} is not supported; the zoo has {listed}")
         raise MmzooError(f"{checkpoint}/config.json is a {arch} checkpoint, which model={name} does not support "
                          f"(it takes {', '.join(archs)})")
+    try:  # the family's own checkpoint: what the family relies on in it is checked before anything is built
+        family_class = get_class(cfg.model.family._target_) if arch in archs else None
+    except Exception:  # noqa: BLE001 - a bad family node: build_model's instantiate_part names it
+        family_class = None
+    if isinstance(family_class, type) and issubclass(family_class, Family):
+        family_class.check_config(hf_config, _config.read_config_json(checkpoint), f"{checkpoint}/config.json")
     dtype = str(cfg.get("dtype", "float32"))
     if dtype not in DTYPES:
         raise MmzooError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     family, model = build_model(cfg, attention=attention, towers=towers, empty=weights == "checkpoint")
+    processor = read_processor(checkpoint)
+    family.check_processor(processor, vocab_size=model.lm.vocab_size, source=checkpoint)
+    eos = _eos_ids(checkpoint, hf_config, processor.tokenizer, vocab_size=model.lm.vocab_size)
     exe = executor if executor is not None else instantiate_part(cfg.executor, "executor")
     if verbose:
         print(f"mmzoo: model={name} {describe(cfg, model)} executor={exe.describe()} dtype={dtype}", file=sys.stderr)
@@ -489,7 +512,7 @@ def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, 
             state.pop("lm.lm_head.weight", None)  # the embedding is the head
         tower_state = {k: state.pop(k) for k in [k for k in state if k.startswith("towers.")] if not towers}
         _weights.check_names(_weights.parameter_shapes(model), state, source=str(checkpoint),
-                             optional=set(_weights.tied_aliases(model)))
+                             optional=set(_weights.tied_aliases(model)), floating=_weights.floating_names(model))
         fingerprint = functools.partial(_towers_fingerprint, {**tower_state, **state})
     else:
         fingerprint = _random_fingerprint(cfg)
@@ -505,8 +528,6 @@ def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, 
         exe.use_mesh(mesh, model, plan=family.tp_plan)
         if verbose:
             print(f"mmzoo: {exe.sharding.describe()}", file=sys.stderr)
-    processor = AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True)
-    eos = _eos_ids(checkpoint, hf_config, processor.tokenizer)
     t0 = time.perf_counter()
     report = _LoadReport(checkpoint if weights == "checkpoint" else None, verbose)
     exe.setup(model, dtype=dtype, eos_token_ids=eos, take_ownership=True,  # built for this executor alone

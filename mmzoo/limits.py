@@ -39,7 +39,7 @@ class Limits:
     Attributes:
         max_request_bytes: a server request body / a ``requests=`` line, in bytes.
         max_prompt_chars: the characters of a request's text (prompt, or all messages' text);
-            None: derived from ``max_model_len`` and the tokenizer (:func:`prompt_chars_bound`).
+            ``"auto"``: derived from ``max_model_len`` and the tokenizer (:func:`prompt_chars_bound`).
         max_media_items: images + videos + audios in one request.
         max_media_bytes: their encoded bytes together (files, ``data:`` URLs, an embeddings file;
             not objects already decoded).
@@ -48,7 +48,7 @@ class Limits:
     """
 
     max_request_bytes: int | None = 32 * MiB
-    max_prompt_chars: int | None = None
+    max_prompt_chars: int | str | None = "auto"
     max_media_items: int | None = 64
     max_media_bytes: int | None = 64 * MiB
     max_media_pixels: int | None = 2 * 89_478_485  # twice Pillow's one-image threshold: 0.5 GB as RGB
@@ -65,8 +65,9 @@ class Limits:
         out = {}
         for name, value in values.items():
             if value == "auto" and name == "max_prompt_chars":
-                value = None
-            elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                out[name] = value
+                continue
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise MmzooError(f"limits.{name}={value!r} must be a whole number of "
                                  f"{'characters' if 'chars' in name else 'items' if 'items' in name else 'pixels' if 'pixels' in name else 'bytes'} "
                                  f"(0 or null: no limit){' or auto' if name == 'max_prompt_chars' else ''}")
@@ -100,8 +101,8 @@ def check_request(request, limits: Limits, *, max_prompt_chars: int | None) -> N
     if max_prompt_chars:
         chars, nbytes = request_text(request)
         if chars > max_prompt_chars:
-            how = "limits.max_prompt_chars" if limits.max_prompt_chars else \
-                "derived from max_model_len; set limits.max_prompt_chars to change it"
+            how = "derived from max_model_len; set limits.max_prompt_chars to change it" \
+                if limits.max_prompt_chars == "auto" else "limits.max_prompt_chars"
             raise MmzooError(f"the prompt's text is {chars} characters ({nbytes} bytes); a request may have at most "
                              f"{max_prompt_chars} ({how})")
     items = [("images", i, x) for i, x in enumerate(request.images or [])] + \

@@ -1,5 +1,6 @@
-"""Bad checkpoints and media files (issue 21): each is refused where it enters with one
-:class:`MmzooError` naming the file or field and the numbers, never another exception."""
+"""Bad checkpoints, config.json values, tokenizers, embeddings files and media files (issue 21 and
+the loaders' review): each is refused where it enters with one :class:`MmzooError` naming the file
+or field and the numbers, never another exception, and never taken silently."""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
+import torch
 from PIL import Image
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 import mmzoo
+from mmzoo import embeds_file
 from mmzoo.checkpoint import load_strict
 from mmzoo.errors import MmzooError
 from mmzoo.fixtures import make_audio, make_image, write_wav
@@ -137,6 +141,409 @@ def test_strict_loading_names_each_tensor(change, match):
         state["fc1.weight"] = state["fc1.weight"].T
     with pytest.raises(MmzooError, match=match):
         load_strict(module, state, source="ckpt")
+
+
+# ----------------------------------------------------------------------------- config.json values
+
+def _json_edit(name: str, edit):
+    """A breaker that loads ``name`` (JSON) from the checkpoint, lets ``edit`` change it, writes it back."""
+    def breaker(ckpt: Path) -> None:
+        data = json.loads((ckpt / name).read_text())
+        edit(data)
+        (ckpt / name).write_text(json.dumps(data))  # NaN and Infinity as Python's json writes them
+    return breaker
+
+
+def _walk(data: dict, path: str):
+    *parents, key = path.split(".")
+    for part in parents:
+        data = data[part]
+    return data, key
+
+
+def _set(path: str, value, name: str = "config.json"):
+    def edit(data):
+        node, key = _walk(data, path)
+        node[key] = value
+    return _json_edit(name, edit)
+
+
+def _drop(path: str, name: str = "config.json"):
+    def edit(data):
+        node, key = _walk(data, path)
+        del node[key]
+    return _json_edit(name, edit)
+
+
+def _old_style_mrope(data: dict) -> None:  # transformers 4's rope_scaling, still read by 5
+    del data["text_config"]["rope_parameters"]
+    data["text_config"]["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 2]}
+
+
+def _sliding_layers(data: dict) -> None:  # layer_types derived: layer 1 (of 2) past max_window_layers slides
+    text = data["text_config"]
+    del text["layer_types"]
+    text.update(use_sliding_window=True, max_window_layers=1, sliding_window=16)
+
+
+def _also(*breakers):
+    def breaker(ckpt: Path) -> None:
+        for b in breakers:
+            b(ckpt)
+    return breaker
+
+
+CFG = r"ckpt/config\.json: "
+# family -> damage -> (breaker, the message); every one used to load (with wrong output), or fail
+# with a traceback, or name the wrong thing, before this check
+CONFIG_VALUES = {
+    "qwen2_vl": {
+        "hidden_size_string": (_set("text_config.hidden_size", "64"),
+                               CFG + r'text_config\.hidden_size="64" must be a positive integer$'),
+        "hidden_size_negative": (_set("text_config.hidden_size", -64), CFG + r"text_config\.hidden_size=-64 must be"),
+        "hidden_size_fraction": (_set("text_config.hidden_size", 64.5),
+                                 r"hidden_size=64\.5 must be a positive integer"),
+        "hidden_size_bool": (_set("text_config.hidden_size", True), r"hidden_size=true must be a positive integer"),
+        "hidden_size_huge": (_set("text_config.hidden_size", 1 << 22),
+                             r"hidden_size=4194304 is larger than any model's \(mmzoo takes at most 1048576\)$"),
+        "hidden_size_not_heads_multiple": (_set("text_config.hidden_size", 63),
+                                           CFG + r"text_config\.hidden_size=63 is not a multiple of "
+                                                 r"num_attention_heads=4 \(and no head_dim is given\)$"),
+        "heads_zero": (_set("text_config.num_attention_heads", 0), r"num_attention_heads=0 must be a positive integer"),
+        "kv_heads_not_dividing": (_set("text_config.num_key_value_heads", 3),
+                                  CFG + r"text_config\.num_key_value_heads=3 does not divide num_attention_heads=4$"),
+        "vocab_size_string": (_set("text_config.vocab_size", "704"), r'vocab_size="704" must be a positive integer'),
+        "layers_fraction": (_set("text_config.num_hidden_layers", 2.5), r"num_hidden_layers=2\.5 must be a positive"),
+        "intermediate_negative": (_set("text_config.intermediate_size", -5),
+                                  r"intermediate_size=-5 must be a positive"),
+        "rms_norm_eps_negative": (_set("text_config.rms_norm_eps", -1e-6),
+                                  CFG + r"text_config\.rms_norm_eps=-1e-06 must be a positive finite number$"),
+        "rms_norm_eps_nan": (_set("text_config.rms_norm_eps", float("nan")),
+                             r"rms_norm_eps=nan must be a positive finite"),
+        "rope_theta_negative": (_set("text_config.rope_parameters.rope_theta", -1.0),
+                                CFG + r"text_config\.rope_parameters\.rope_theta=-1\.0 must be a positive finite "
+                                      r"number$"),
+        "rope_theta_inf": (_set("text_config.rope_parameters.rope_theta", float("inf")), r"rope_theta=inf must be"),
+        "rope_parameters_list": (_set("text_config.rope_parameters", [1]),
+                                 r"text_config\.rope_parameters=\[1\] must be an object \(rope_theta, rope_type, "
+                                 r"\.\.\.\)$"),
+        "mrope_section_sum": (_set("text_config.rope_parameters.mrope_section", [2, 3, 2]),
+                              CFG + r"text_config\.rope_parameters\.mrope_section=\[2, 3, 2\] sums to 7, but "
+                                    r"head_dim/2 = 8 \(hidden_size=64 / num_attention_heads=4 / 2\)$"),
+        "mrope_section_two_parts": (_set("text_config.rope_parameters.mrope_section", [2, 3]),
+                                    r"mrope_section=\[2, 3\] must be 3 positive integers \(the rotary pairs of "
+                                    r"the t, h, w position axes\)$"),
+        "mrope_section_rope_scaling": (_json_edit("config.json", _old_style_mrope),
+                                       r"text_config\.rope_scaling\.mrope_section=\[2, 3, 2\] sums to 7, but "
+                                       r"head_dim/2 = 8"),
+        "head_dim_zero": (_set("text_config.head_dim", 0),
+                          r"text_config\.head_dim=0 must be a positive integer \(or null\)$"),
+        "hidden_act_number": (_set("text_config.hidden_act", 3),
+                              r"text_config\.hidden_act=3 must be a non-empty string$"),
+        "sliding_window_layers": (_json_edit("config.json", _sliding_layers),
+                                  CFG + r"the text model's layers \[1\] are 'sliding_attention' \(layer_types; "
+                                        r"use_sliding_window=True\): mmzoo's LMs attend over the whole context$"),
+        "dtype_garbage": (_set("dtype", "garbage"), CFG + r'dtype="garbage" is not a torch dtype; expected one of \['),
+        "torch_dtype_number": (_set("torch_dtype", 5), CFG + r"torch_dtype=5 is not a torch dtype"),
+        "architectures_string": (_set("architectures", "Qwen2VLForConditionalGeneration"),
+                                 CFG + r'architectures="Qwen2VLForConditionalGeneration" must be a list of model class '
+                                       r'names$'),
+        "architectures_object": (_set("architectures", {"a": 1}), r'architectures=\{"a": 1\} must be a list'),
+        "architectures_numbers": (_set("architectures", [1]),
+                                  r"architectures=\[1\] must be a list of model class names"),
+        "text_config_list": (_set("text_config", [1, 2]),
+                             CFG + r"text_config must be an object of the text model's settings, got \[1, 2\]$"),
+        "text_config_missing": (_drop("text_config"), r"ckpt/config\.json has no text_config \(nor the text model's "
+                                                      r"hidden_size at the top, as the hub's Qwen2-VL configs "
+                                                      r"have it\)$"),
+        "vision_config_missing": (_drop("vision_config"),
+                                  r"ckpt/config\.json has no vision_config \(the vision model's settings\); "
+                                  r"transformers would fill in the defaults"),
+        "vision_embed_dim_not_heads_multiple": (_set("vision_config.embed_dim", 33),
+                                                CFG + r"vision_config\.embed_dim=33 is not a multiple of num_heads=2$"),
+        "vision_head_dim_for_2d_rotary": (_set("vision_config.num_heads", 16),
+                                          CFG + r"vision_config\.embed_dim=32 / num_heads=16 = 2: the ViT's 2-D rotary "
+                                                r"needs a head dim divisible by 4$"),
+        "vision_hidden_size": (_set("vision_config.hidden_size", 32),
+                               CFG + r"vision_config\.hidden_size=32 \(the patch merger's output width\) differs from "
+                                     r"the text model's hidden_size=64$"),
+        "merge_size_zero": (_set("vision_config.spatial_merge_size", 0), r"spatial_merge_size=0 must be a positive"),
+        "mlp_ratio_negative": (_set("vision_config.mlp_ratio", -1), r"vision_config\.mlp_ratio=-1 must be a positive"),
+        "vision_rope_theta": (_set("vision_config.rope_parameters.rope_theta", -1),
+                              r"vision_config\.rope_parameters\.rope_theta=-1 must be a positive finite number$"),
+        "image_token_outside_vocab": (_set("image_token_id", 10 ** 9),
+                                      CFG + r"image_token_id=1000000000 is not a token id of the vocabulary "
+                                            r"\(text_config\.vocab_size=704\)$"),
+        "image_token_negative": (_set("image_token_id", -1),
+                                 CFG + r"image_token_id=-1 must be a token id \(an integer"),
+        "image_token_not_the_tokenizers": (_set("image_token_id", 678),
+                                           CFG + r"image_token_id=678, but the tokenizer's image placeholder "
+                                                 r"'<\|image_pad\|>' is id 681$"),
+        "video_token_same_as_image": (_set("video_token_id", 681),
+                                      CFG + r"video_token_id=681 is also image_token_id; each placeholder needs "
+                                            r"a token"),
+        "video_token_missing": (_drop("video_token_id"),
+                                CFG + r"video_token_id=151656 \(transformers' default: config\.json has none\) "
+                                      r"is not a token id of the vocabulary"),
+        "config_empty": (lambda c: (c / "config.json").write_text(""), r"ckpt/config\.json is not valid JSON"),
+        "config_no_model_type": (_drop("model_type"),
+                                 CFG + r"transformers cannot read this config \(Unrecognized model"),
+    },
+    "llava": {
+        "head_dim_odd": (_set("text_config.head_dim", 7),
+                         CFG + r"text_config\.head_dim=7 is odd; rotary embeddings rotate pairs of channels$"),
+        "text_config_missing": (_drop("text_config"),
+                                r"ckpt/config\.json has no text_config \(the text model's settings"),
+        "image_size_not_patch_multiple": (_set("vision_config.image_size", 57),
+                                          CFG + r"vision_config\.image_size=57 is not a multiple of patch_size=14$"),
+        "vision_width_not_heads_multiple": (_set("vision_config.hidden_size", 33),
+                                            r"vision_config\.hidden_size=33 is not a multiple of "
+                                            r"num_attention_heads=2"),
+        "vision_tower_not_clip": (_set("vision_config.model_type", "siglip_vision_model"),
+                                  CFG + r"vision_config\.model_type='siglip_vision_model': model=llava's vision "
+                                        r"tower is CLIP's \(clip_vision_model\)$"),
+        "vision_layers_fewer_than_the_weights": (_set("vision_config.num_hidden_layers", 1),
+                                                 r"do not match the model: unexpected 32 tensors: "
+                                                 r"towers\.vision\.encoder\.blocks\.1\."),
+        "feature_layer_string": (_set("vision_feature_layer", "x"),
+                                 CFG + r'vision_feature_layer="x" must be a layer index \(an integer\) or a non-empty '
+                                       r'list of them$'),
+        "feature_layer_empty_list": (_set("vision_feature_layer", []),
+                                     r"vision_feature_layer=\[\] must be a layer index"),
+        "image_token_index_outside_vocab": (_set("image_token_index", 704),
+                                            CFG + r"image_token_index=704 is not a token id of the vocabulary"),
+        "select_strategy": (_set("vision_feature_select_strategy", "foo"),
+                            CFG + r"transformers cannot read this config \(Field 'vision_feature_select_strategy' "
+                                  r"expected one of \('default', 'full'\), got foo\)$"),
+    },
+    "qwen2_audio": {
+        "tie_word_embeddings_string": (_set("tie_word_embeddings", "yes"),
+                                       CFG + r'tie_word_embeddings="yes" must be true or false$'),
+        "kv_heads_more_than_heads": (_set("text_config.num_key_value_heads", 8),
+                                     r"text_config\.num_key_value_heads=8 does not divide num_attention_heads=4$"),
+        "audio_width_not_heads_multiple": (_set("audio_config.d_model", 33),
+                                           CFG + r"audio_config\.d_model=33 is not a multiple of "
+                                                 r"encoder_attention_heads=2$"),
+        "max_source_positions_huge": (_set("audio_config.max_source_positions", 1 << 21),
+                                      r"audio_config\.max_source_positions=2097152 is larger than any model's"),
+        "audio_token_string": (_set("audio_token_index", "684"),
+                               CFG + r'audio_token_index="684" must be a token id \(an integer >= 0\)$'),
+        "audio_config_missing": (_drop("audio_config"), r"ckpt/config\.json has no audio_config \(the audio model's"),
+    },
+}
+CONFIG_CASES = [(family, case) for family, cases in CONFIG_VALUES.items() for case in cases]
+
+
+def _damaged(source: Path, tmp_path: Path, breaker) -> Path:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(source, ckpt)
+    breaker(ckpt)
+    return ckpt
+
+
+@pytest.mark.parametrize("family, case", CONFIG_CASES, ids=[f"{f}-{c}" for f, c in CONFIG_CASES])
+def test_bad_config_value(tiny_checkpoints, tmp_path, family, case):
+    breaker, match = CONFIG_VALUES[family][case]
+    ckpt = _damaged(tiny_checkpoints[family], tmp_path, breaker)
+    with pytest.raises(MmzooError, match=match):
+        mmzoo.load(ckpt, executor="eager")
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "qwen2_audio"])
+def test_an_undamaged_copy_loads(tiny_checkpoints, tmp_path, family):
+    """The control of the tables here: the copy and the JSON round trip alone break nothing."""
+    ckpt = _damaged(tiny_checkpoints[family], tmp_path, _json_edit("config.json", lambda data: None))
+    assert len(mmzoo.load(ckpt, executor="eager").generate(PROMPT, max_new_tokens=2).token_ids) == 2
+
+
+# ----------------------------------------------------------------------------- tokenizer, processor, generation config
+
+def _token_past_the_vocab(ckpt: Path) -> None:
+    data = json.loads((ckpt / "tokenizer.json").read_text())
+    data["model"]["vocab"]["zzzz"] = 750  # the tiny LM has 704 rows
+    (ckpt / "tokenizer.json").write_text(json.dumps(data))
+
+
+def _renamed_placeholder(ckpt: Path) -> None:
+    data = json.loads((ckpt / "tokenizer.json").read_text())
+    for token in data["added_tokens"]:
+        if token["content"] == "<|image_pad|>":
+            token["content"] = "<|image_pad_renamed|>"
+    (ckpt / "tokenizer.json").write_text(json.dumps(data))
+
+
+def _drop_file(name: str):
+    return lambda ckpt: (ckpt / name).unlink()
+
+
+def _write(name: str, text: str):
+    return lambda ckpt: (ckpt / name).write_text(text)
+
+
+GEN = "generation_config.json"
+PROCESSOR_FILES = {
+    "tokenizer_missing": (_drop_file("tokenizer.json"),
+                          r"checkpoint .*ckpt has no tokenizer \(one of tokenizer\.json, vocab\.json, "
+                          r"tokenizer\.model\)$"),
+    "tokenizer_empty": (_write("tokenizer.json", ""), r"ckpt/tokenizer\.json is not valid JSON \(Expecting value"),
+    "tokenizer_a_list": (_write("tokenizer.json", "[]"),
+                         r"ckpt/tokenizer\.json is not a JSON object \(it holds a list\)$"),
+    "tokenizer_config_corrupt": (_write("tokenizer_config.json", "{"),
+                                 r"ckpt/tokenizer_config\.json is not valid JSON"),
+    "token_past_the_vocab": (_token_past_the_vocab,
+                             r"the tokenizer of .*ckpt has token ids up to 750, but the LM's vocabulary "
+                             r"\(text_config\.vocab_size\) has 704 rows"),
+    "placeholder_not_the_configs": (_renamed_placeholder,
+                                    r"ckpt/config\.json: image_token_id=681, but the tokenizer's image placeholder "
+                                    r"'<\|image_pad\|>' is id \d+$"),
+    "processor_config_missing": (_drop_file("processor_config.json"),
+                                 r"ckpt has no processor_config\.json or preprocessor_config\.json \(the image "
+                                 r"or audio processor's settings\)"),
+    "processor_config_corrupt": (_write("processor_config.json", "{"),
+                                 r"ckpt/processor_config\.json is not valid JSON"),
+    "chat_template_broken": (_write("chat_template.jinja", "{% for m in messages %}{{ m.content "),
+                             r"ckpt/chat_template\.jinja does not render a one-line text conversation "
+                             r"\(TemplateSyntaxError: unexpected end of template"),
+    "generation_config_not_json": (_write(GEN, "{"), r"ckpt/generation_config\.json is not valid JSON"),
+    "generation_config_a_list": (_write(GEN, "[678]"), r"ckpt/generation_config\.json is not a JSON object"),
+    "eos_string": (_set("eos_token_id", "abc", GEN),
+                   r'ckpt/generation_config\.json: eos_token_id="abc" must be a token id of the vocabulary \(0 to '
+                   r'703\) or a non-empty list of them$'),
+    "eos_fraction": (_set("eos_token_id", 1.5, GEN), r"eos_token_id=1\.5 must be a token id"),
+    "eos_bool": (_set("eos_token_id", True, GEN), r"eos_token_id=true must be a token id"),
+    "eos_negative": (_set("eos_token_id", -1, GEN), r"eos_token_id=-1 must be a token id of the vocabulary"),
+    "eos_outside_vocab": (_set("eos_token_id", 10 ** 9, GEN), r"eos_token_id=1000000000 must be a token id"),
+    "eos_empty_list": (_set("eos_token_id", [], GEN), r"eos_token_id=\[\] must be a token id .* or a non-empty list"),
+    "eos_list_with_a_string": (_set("eos_token_id", [678, "x"], GEN), r'eos_token_id=\[678, "x"\] .*; "x" is not$'),
+    "eos_string_in_config": (_also(_drop_file(GEN), _set("text_config.eos_token_id", "abc")),
+                             r'ckpt/config\.json: text_config\.eos_token_id="abc" must be a token id \(an integer >= '
+                             r'0\) or a non-empty list of them$'),
+}
+
+
+@pytest.mark.parametrize("case", list(PROCESSOR_FILES))
+def test_bad_tokenizer_processor_or_generation_config(qwen2_vl_ckpt, tmp_path, case):
+    breaker, match = PROCESSOR_FILES[case]
+    ckpt = _damaged(qwen2_vl_ckpt, tmp_path, breaker)
+    with pytest.raises(MmzooError, match=match):
+        mmzoo.load(ckpt, executor="eager")
+
+
+def test_missing_chat_template_is_named_when_a_prompt_needs_it(llava_ckpt, tmp_path):
+    """A checkpoint without a chat template loads (token prompts need none); a text prompt is refused."""
+    engine = mmzoo.load(_damaged(llava_ckpt, tmp_path, _drop_file("chat_template.jinja")), executor="eager")
+    with pytest.raises(MmzooError, match=r"ckpt has no chat template \(chat_template\.jinja\) to render a prompt "
+                                         r"with; give prompt_token_ids instead"):
+        engine.generate(PROMPT, max_new_tokens=2)
+    assert len(engine.generate(mmzoo.Request(prompt_token_ids=[5, 6, 7], max_new_tokens=2)).token_ids) == 2
+
+
+# ----------------------------------------------------------------------------- weights
+
+def _weights_edit(edit):
+    def breaker(ckpt: Path) -> None:
+        tensors = load_file(ckpt / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    return breaker
+
+
+def _retype(name: str, dtype: torch.dtype):
+    def edit(tensors):
+        tensors[name] = tensors[name].to(dtype)
+    return _weights_edit(edit)
+
+
+def _header(edit):
+    """A breaker rewriting the safetensors header (JSON after its 8-byte length) with ``edit``."""
+    def breaker(ckpt: Path) -> None:
+        path = ckpt / "model.safetensors"
+        data = path.read_bytes()
+        n = struct.unpack("<Q", data[:8])[0]
+        header = edit(data[8:8 + n])
+        path.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + n:])
+    return breaker
+
+
+def _bad_offsets(header: bytes) -> bytes:
+    meta = json.loads(header)
+    first = sorted(k for k in meta if k != "__metadata__")[0]
+    meta[first]["data_offsets"] = [0, 4]
+    text = json.dumps(meta).encode()
+    return text + b" " * (-len(text) % 8)
+
+
+def _sharded(damage=None):
+    """A breaker splitting model.safetensors into two shards with an index, then ``damage(weight_map,
+    first_shard_keys, ckpt)`` (the index is written after it)."""
+    def breaker(ckpt: Path) -> None:
+        tensors = load_file(ckpt / "model.safetensors")
+        keys = sorted(tensors)
+        parts = {"model-00001-of-00002.safetensors": keys[:len(keys) // 2],
+                 "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+        for name, names in parts.items():
+            save_file({k: tensors[k] for k in names}, ckpt / name, metadata={"format": "pt"})
+        (ckpt / "model.safetensors").unlink()
+        weight_map = {k: name for name, names in parts.items() for k in names}
+        if damage is not None:
+            damage(weight_map, parts["model-00001-of-00002.safetensors"], ckpt)
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return breaker
+
+
+def _twice(weight_map, first, ckpt):  # the second shard holds a copy of a first-shard tensor too
+    second = ckpt / "model-00002-of-00002.safetensors"
+    tensors = load_file(second)
+    tensors[first[0]] = load_file(ckpt / "model-00001-of-00002.safetensors")[first[0]]
+    save_file(tensors, second, metadata={"format": "pt"})
+
+
+SHARD1, SHARD2 = "model-00001-of-00002\\.safetensors", "model-00002-of-00002\\.safetensors"
+INDEX = r"ckpt/model\.safetensors\.index\.json: "
+WEIGHTS = {
+    "integer_embedding": (_retype("model.embed_tokens.weight", torch.int32),
+                          r"weights in .*ckpt do not match the model: not floating point \(the model's weights are\): "
+                          r"lm\.embed_tokens\.weight int32$"),
+    "boolean_norm": (_retype("model.norm.weight", torch.bool), r"not floating point .*: lm\.norm\.weight bool$"),
+    "header_not_json": (_header(lambda h: b"{" + b"x" * (len(h) - 1)),
+                        r"ckpt/model\.safetensors is not a readable safetensors file \(.*invalid JSON in header"),
+    "header_bad_offsets": (_header(_bad_offsets), r"not a readable safetensors file \(.*invalid shape, data type, or "
+                                                  r"offset for tensor\): it may be truncated or corrupt$"),
+    "empty_file": (lambda c: (c / "model.safetensors").write_bytes(b""), r"not a readable safetensors file \(.*header "
+                                                                         r"too small\)"),
+    "index_wrong_shard": (_sharded(lambda wm, first, c: wm.update({first[0]: "model-00002-of-00002.safetensors"})),
+                          INDEX + rf"shard {SHARD1} holds tensor .*, but weight_map puts it in {SHARD2}$"),
+    "index_missing_entry": (_sharded(lambda wm, first, c: wm.pop(first[0])),
+                            INDEX + rf"shard {SHARD1} holds tensor .*, but weight_map does not list it$"),
+    "index_tensor_in_no_shard": (_sharded(lambda wm, first, c: wm.update(
+                                     {"model.extra": "model-00001-of-00002.safetensors"})),
+                                 INDEX + rf"weight_map lists 1 tensors its shards do not hold, e.g. model\.extra in "
+                                         rf"{SHARD1}$"),
+    "index_tensor_twice": (_sharded(_twice), rf"checkpoint tensor .* is in both {SHARD1} and {SHARD2}$"),
+    "index_empty_weight_map": (_sharded(lambda wm, first, c: wm.clear()),
+                               INDEX + r"weight_map is empty \(it lists no tensor\)$"),
+    "index_not_an_object": (_also(_sharded(), _write("model.safetensors.index.json", "[1]")),
+                            r"ckpt/model\.safetensors\.index\.json is not a JSON object \(it holds a list\)$"),
+}
+
+
+@pytest.mark.parametrize("case", list(WEIGHTS))
+def test_bad_weights(qwen2_vl_ckpt, tmp_path, case):
+    breaker, match = WEIGHTS[case]
+    ckpt = _damaged(qwen2_vl_ckpt, tmp_path, breaker)
+    with pytest.raises(MmzooError, match=match):
+        mmzoo.load(ckpt, executor="eager")
+
+
+@pytest.mark.parametrize("change", ["float64", "sharded"])
+def test_wider_floats_and_a_good_index_load_the_same(qwen2_vl_ckpt, tmp_path, change):
+    """What is accepted is right: float64 weights are cast to the run dtype (as transformers does) and a
+    consistent index reads the same tensors: the same tokens as the checkpoint itself."""
+    breaker = _weights_edit(lambda t: t.update({k: v.double() for k, v in t.items()})) if change == "float64" \
+        else _sharded()
+    ckpt = _damaged(qwen2_vl_ckpt, tmp_path, breaker)
+    want = mmzoo.load(qwen2_vl_ckpt, executor="eager").generate(PROMPT, max_new_tokens=4, ignore_eos=True).token_ids
+    assert mmzoo.load(ckpt, executor="eager").generate(PROMPT, max_new_tokens=4, ignore_eos=True).token_ids == want
 
 
 # ----------------------------------------------------------------------------- images
@@ -304,6 +711,136 @@ def test_stereo_and_other_rates_are_converted(audio_engine, tmp_path):
     assert prepared.lengths["audio"].tolist() == [25, 25, 50]  # valid tokens of 100, 100 and 200 mel frames
 
 
+# ----------------------------------------------------------------------------- embeddings files (mmzoo.encode)
+
+@pytest.fixture(scope="module")
+def llava_engine(llava_ckpt):
+    return mmzoo.load(llava_ckpt, executor="eager")
+
+
+def _items(family: str) -> dict:
+    """The media each family's embeddings file below holds (two items where the family takes them)."""
+    if family == "qwen2_audio":
+        return {"audios": [make_audio(0.5, seed=0), make_audio(0.3, seed=1)]}
+    return {"images": [make_image(56, 56, seed=0), make_image(84, 56, seed=1)][:1 if family == "llava" else 2]}
+
+
+@pytest.fixture(scope="module")
+def encoded(vl_engine, llava_engine, audio_engine):
+    """family -> (engine, the tensors mmzoo.encode writes for :func:`_items`, its metadata)."""
+    engines = {"qwen2_vl": vl_engine, "llava": llava_engine, "qwen2_audio": audio_engine}
+    return {name: (e, e.encode(**_items(name)), e.embeds_metadata()) for name, e in engines.items()}
+
+
+def _rows(tensors, key, rows):
+    return {**tensors, key: tensors[key][rows]}
+
+
+def _first_grid(grid):
+    def change(tensors):
+        g = tensors["image_grid_thw"].clone()
+        g[0] = torch.tensor(grid)
+        return {**tensors, "image_grid_thw": g}
+    return change
+
+
+def _nan(key):
+    def change(tensors):
+        t = tensors[key].clone()
+        t[1, 2] = float("nan")
+        return {**tensors, key: t}
+    return change
+
+
+def _drop_key(key):
+    return lambda tensors: {k: v for k, v in tensors.items() if k != key}
+
+
+def _meta(**fields):
+    return lambda meta: {k: v for k, v in {**meta, **fields}.items() if v is not None}
+
+
+KEEP = (lambda tensors: tensors)
+SAME = (lambda meta: meta)
+EMB = r"embeds file .*emb\.safetensors"
+# family -> damage -> (change of the tensors, change of the metadata, the message)
+EMBEDS = {
+    "qwen2_vl": {
+        "rows_short": (lambda t: _rows(t, "image_embeds", slice(0, -1)), SAME,
+                       r"image_embeds has 9 rows but image_grid_thw \[\[1, 4, 4\], \[1, 4, 6\]\] implies 10 "
+                       r"\(sum\(t\*h\*w\) / merge_size\^2, merge_size=2\)$"),
+        "grid_not_merge_multiple": (_first_grid([1, 1, 16]), SAME,  # 16 patches: 4 rows, as [1, 4, 4] gives
+                                    r"image_grid_thw\[0\] = \[1, 1, 16\]: h and w must be multiples of merge_size=2"),
+        "grid_without_embeds": (_drop_key("image_embeds"), SAME,
+                                EMB + r" holds no embeddings \(image_embeds, video_embeds or audio_embeds\)$"),
+        "grid_missing": (_drop_key("image_grid_thw"), SAME, r"image_embeds needs image_grid_thw"),
+        "grid_fractional": (lambda t: {**t, "image_grid_thw": t["image_grid_thw"].float() + 0.5}, SAME,
+                            r"image_grid_thw must hold integers, got float32"),
+        "wider_than_the_lm": (lambda t: {**t, "image_embeds": torch.cat([t["image_embeds"]] * 2, 1)}, SAME,
+                              r"image_embeds has hidden size 128 but the LM's hidden size is 64$"),
+        "integer_embeds": (lambda t: {**t, "image_embeds": t["image_embeds"].to(torch.int32)}, SAME,
+                           r"image_embeds must be floating point, got torch\.int32$"),
+        "nan": (_nan("image_embeds"), SAME,
+                r"image_embeds holds 1 non-finite values \(NaN or inf\), the first at \[1, 2\]"),
+        "unknown_tensor": (lambda t: {**t, "pixel_values": torch.zeros(2)}, SAME, EMB + r" has unknown tensors "
+                                                                                       r"\['pixel_values'\]$"),
+        "hidden_size_metadata_garbage": (KEEP, _meta(lm_hidden_size="abc"),
+                                         EMB + r": metadata lm_hidden_size='abc' must be a positive integer$"),
+        "hidden_size_metadata_missing": (KEEP, _meta(lm_hidden_size=None),
+                                         EMB + r" has no lm_hidden_size in its metadata \(mmzoo\.encode writes it\)$"),
+        "hidden_size_metadata_other": (KEEP, _meta(lm_hidden_size="128"),
+                                       EMB + r" has LM hidden size 128 but this LM's is 64$"),
+        "fingerprint_missing": (KEEP, _meta(fingerprint=None), EMB + r" has no fingerprint in its metadata"),
+        "another_tower": (KEEP, _meta(fingerprint="0" * 32),
+                          EMB + r" was made by encoder weights 0{32} .*; pass allow_fingerprint_mismatch=true"),
+        "another_family": (KEEP, _meta(model="llava"), EMB + r" was made by model=llava, not qwen2_vl$"),
+        "not_from_encode": (KEEP, _meta(format="other/1"),
+                            EMB + r" was not written by mmzoo\.encode \(format 'other/1'\)$"),
+    },
+    "llava": {
+        "rows_not_images": (lambda t: _rows(t, "image_embeds", slice(0, -1)), SAME,
+                            r"image_embeds has 15 rows, not a multiple of the 16 tokens per image"),
+        "with_a_grid": (lambda t: {**t, "image_grid_thw": torch.tensor([[1, 4, 4]])}, SAME,
+                        r"model=llava does not take image_grid_thw \(each image is 16 rows of image_embeds\)$"),
+        "inf": (lambda t: {**t, "image_embeds": t["image_embeds"].index_fill(0, torch.tensor([3]), float("inf"))}, SAME,
+                r"image_embeds holds 64 non-finite values \(NaN or inf\), the first at \[3, 0\] = inf$"),
+    },
+    "qwen2_audio": {
+        "lengths_missing": (_drop_key("audio_lengths"), SAME,
+                            EMB + r" has audio_embeds but no audio_lengths \(each clip's rows"),
+        "lengths_too_many_rows": (lambda t: {**t, "audio_lengths": t["audio_lengths"] + 1}, SAME,
+                                  r"audio_lengths \[\d+, \d+\] sum to \d+ rows but audio_embeds has \d+$"),
+        "lengths_zero": (lambda t: {**t, "audio_lengths": t["audio_lengths"] * 0}, SAME,
+                         r"audio_lengths must be a 1-D list of positive integers, got \[0, 0\]$"),
+        "lengths_without_embeds": (_drop_key("audio_embeds"), SAME, EMB + r" holds no embeddings"),
+        "float64_embeds_wider": (lambda t: {**t, "audio_embeds": torch.cat([t["audio_embeds"]] * 2, 1).double()}, SAME,
+                                 r"audio_embeds has hidden size 128 but the LM's hidden size is 64$"),
+    },
+}
+EMBEDS_CASES = [(family, case) for family, cases in EMBEDS.items() for case in cases]
+
+
+@pytest.mark.parametrize("family, case", EMBEDS_CASES, ids=[f"{f}-{c}" for f, c in EMBEDS_CASES])
+def test_bad_embeddings_file(encoded, tmp_path, family, case):
+    engine, tensors, meta = encoded[family]
+    change, change_meta, match = EMBEDS[family][case]
+    path = tmp_path / "emb.safetensors"
+    save_file({k: v.contiguous() for k, v in change(tensors).items()}, str(path),
+              metadata=change_meta({"format": embeds_file.FORMAT, **meta}))
+    with pytest.raises(MmzooError, match=match):
+        engine.generate(PROMPT, embeds=str(path), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("family", list(EMBEDS))
+def test_an_undamaged_embeddings_file_gives_the_raw_inputs_tokens(encoded, tmp_path, family):
+    """The control of the table above: the file as mmzoo.encode writes it runs as its raw media do."""
+    engine, tensors, meta = encoded[family]
+    path = tmp_path / "emb.safetensors"
+    embeds_file.write(path, tensors, meta)
+    want = engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True, **_items(family)).token_ids
+    assert engine.generate(PROMPT, embeds=str(path), max_new_tokens=4, ignore_eos=True).token_ids == want
+
+
 # ----------------------------------------------------------------------------- the CLI
 
 def test_cli_truncated_checkpoint_is_one_error_line(qwen2_vl_ckpt, tmp_path):
@@ -320,3 +857,14 @@ def test_cli_truncated_checkpoint_is_one_error_line(qwen2_vl_ckpt, tmp_path):
                       f"(Error while deserializing header: incomplete metadata, file not fully covered): it may be "
                       f"truncated or corrupt"], p.stderr
     assert "Traceback" not in p.stderr and not out.exists()
+
+
+def test_cli_bad_config_value_is_one_error_line(qwen2_audio_ckpt, tmp_path):
+    ckpt = _damaged(qwen2_audio_ckpt, tmp_path, _set("text_config.num_key_value_heads", 3))
+    p = subprocess.run([sys.executable, "-m", "mmzoo.infer", f"checkpoint={ckpt}", "prompt=hi", "max_new_tokens=2",
+                        "executor=eager"], cwd=tmp_path, env={**os.environ, "PJRT_DEVICE": "CPU"}, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 1, p.stderr
+    assert [line for line in p.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: {ckpt}/config.json: text_config.num_key_value_heads=3 does not divide num_attention_heads=4"], p.stderr
+    assert "Traceback" not in p.stderr

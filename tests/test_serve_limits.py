@@ -133,3 +133,17 @@ def test_the_drain_timeout_ends_requests_cleanly(client):
     assert r.status_code == 503
     err = _error(r)
     assert "cut after drain_timeout_s=0.5" in err["message"] and err["type"] == "server_error"
+
+
+def test_limits_config_is_checked():
+    from mmzoo.errors import MmzooError
+    from mmzoo.limits import Limits
+
+    assert Limits.from_config(None).max_prompt_chars == "auto"
+    assert Limits.from_config({"max_prompt_chars": 0, "max_media_items": None}).max_prompt_chars is None
+    assert Limits.from_config({"max_media_items": None}).max_media_items is None
+    for bad, needle in (({"max_media_items": -1}, "limits.max_media_items=-1"),
+                        ({"max_request_bytes": "32M"}, "whole number of bytes"),
+                        ({"max_prompt_chars": "many"}, "or auto"), ({"max_media_pixel": 5}, "unknown field")):
+        with pytest.raises(MmzooError, match=needle):
+            Limits.from_config(bad)

@@ -3,6 +3,8 @@ placeholder expansion, token-prompt placeholder runs, ``inputs_embeds`` prompts.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from mmzoo.errors import MmzooError
@@ -52,7 +54,7 @@ def render_prompt(processor, request: Request, kinds: list[str], placeholders: d
             if pad in text:
                 raise MmzooError(f"{where} contains the {kind} placeholder {pad!r}; the chat template adds one per "
                                  f"{kind} given in {kind}s (or use prompt_token_ids)")
-    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = _apply_chat_template(processor, messages)
     for kind in kinds:
         pad, counts = placeholders[kind]
         pieces = text.split(pad)
@@ -61,6 +63,36 @@ def render_prompt(processor, request: Request, kinds: list[str], placeholders: d
                              f"{len(counts)} {kind}s")
         text = pieces[0] + "".join(pad * n + rest for n, rest in zip(counts, pieces[1:]))
     return np.asarray(processor.tokenizer(text)["input_ids"], dtype=np.int64)
+
+
+def _apply_chat_template(processor, messages: list[dict]) -> str:
+    source = getattr(getattr(processor, "tokenizer", None), "name_or_path", "") or "the checkpoint"
+    if getattr(processor, "chat_template", None) is None:
+        raise MmzooError(f"{source} has no chat template (chat_template.jinja) to render a prompt with; give "
+                         f"prompt_token_ids instead, or add a template to the checkpoint")
+    try:
+        return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja raises anything: a template, or a conversation it refuses
+        raise MmzooError(f"the chat template of {source} cannot render this conversation ({_reason(e)})") from None
+
+
+def check_chat_template(processor, source) -> None:
+    """Refuse, at load, a chat template that does not render a one-line text conversation (a
+    checkpoint without one loads: its prompts then need ``prompt_token_ids``)."""
+    if getattr(processor, "chat_template", None) is None:
+        return
+    try:
+        processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                      tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - as above
+        where = next((f"{source}/{n}" for n in ("chat_template.jinja", "chat_template.json")
+                      if (Path(source) / n).is_file()), f"the chat template of {source}")
+        raise MmzooError(f"{where} does not render a one-line text conversation ({_reason(e)})") from None
+
+
+def _reason(e: Exception) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
 
 
 MEDIA_PARTS = ("image", "video", "audio")

@@ -8,7 +8,9 @@ checkpoint, and a ``family`` node) plus a :class:`Family` subclass holding only 
 * how raw media become tower inputs and how many placeholder tokens each item fills
   (:meth:`Family.raw_media`), and how precomputed embeddings are counted (:meth:`Family.precomputed`);
 * the position scheme (:meth:`Family.positions`; 1-D unless overridden);
-* its checkpoint's tensor names (:meth:`Family.convert_weights`);
+* its checkpoint's tensor names (:meth:`Family.convert_weights`) and what it relies on in the
+  checkpoint's config.json and tokenizer (:meth:`Family.check_config`, :meth:`Family.check_processor`:
+  a bad value is refused at load, naming the file, the field and the value);
 * zero inputs for compiling the tower at a bucket (:meth:`Family.dummy_media`) and, where a
   tower's input rows are whole items, those buckets (:meth:`Family.encoder_buckets`);
 * its tensor-parallel plan (:attr:`Family.tp_plan`, parameter-name patterns);
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 
 from mmzoo.errors import MmzooError
-from mmzoo.models._prompt import expand_runs, prepare_inputs_embeds, render_prompt
+from mmzoo.models._prompt import check_chat_template, expand_runs, prepare_inputs_embeds, render_prompt
 from mmzoo.types import Prepared, Request, TowerInput
 
 # request fields per modality: the raw media, precomputed embeddings, and the embeddings' layout
@@ -99,6 +101,9 @@ class Family:
     tp_plan: ClassVar[dict[str, str]] = TP_PLAN
     hf_class: ClassVar[str] = ""  # e.g. "Qwen2VLForConditionalGeneration"
     tiny_checkpoint: ClassVar[str] = ""  # e.g. "make_tiny_qwen2_vl" (a function of mmzoo.fixtures)
+    # config.json's sub-configs the family reads: transformers fills a missing one with defaults of
+    # another size, so each must be in the file
+    config_sections: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, name: str):
         self.name = name
@@ -140,6 +145,74 @@ class Family:
         """XLA buckets of the tower's input rows when its rows are whole items (images, clips);
         None: the executor's defaults (packed patches)."""
         return None
+
+    # -- what the checkpoint must hold ----------------------------------------------------------
+    @classmethod
+    def check_config(cls, config, raw: dict, source: str) -> None:
+        """Refuse a checkpoint config this family cannot run as the file says: called once when a
+        checkpoint of one of its architectures is loaded, before anything is built (the values'
+        types and ranges are checked as config.json is read: :func:`mmzoo.config.check_config_json`).
+
+        Args:
+            config: transformers' config of the checkpoint.
+            raw: config.json as it is in the file (which keys it sets).
+            source: the file's path, for messages.
+
+        The base refuses a missing :attr:`config_sections` entry and a placeholder token id
+        outside the vocabulary or shared by two modalities; a family adds its own checks."""
+        for name in cls.config_sections:
+            if name not in raw:
+                raise MmzooError(f"{source} has no {name} (the {name.split('_')[0]} model's settings); transformers "
+                                 f"would fill in the defaults of another model")
+        text = config.get_text_config()
+        sliding = [i for i, kind in enumerate(getattr(text, "layer_types", None) or []) if kind != "full_attention"]
+        if sliding:
+            raise MmzooError(f"{source}: the text model's layers {sliding} are {text.layer_types[sliding[0]]!r} "
+                             f"(layer_types; use_sliding_window={getattr(text, 'use_sliding_window', None)}): mmzoo's "
+                             f"LMs attend over the whole context")
+        vocab = text.vocab_size
+        seen: dict[int, str] = {}
+        for kind in cls.modalities:
+            token = getattr(config, f"{kind}_token_id", None)
+            key = next((k for k in (f"{kind}_token_id", f"{kind}_token_index") if k in raw), None)
+            name = key or f"{kind}_token_id"
+            note = "" if key else " (transformers' default: config.json has none)"
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+                raise MmzooError(f"{source}: {name}={token!r}{note} is not a token id of the vocabulary "
+                                 f"(text_config.vocab_size={vocab})")
+            if token in seen:
+                raise MmzooError(f"{source}: {name}={token} is also {seen[token]}; each placeholder needs a token "
+                                 f"of its own")
+            seen[token] = name
+
+    def check_processor(self, processor, *, vocab_size: int, source: str) -> None:
+        """Refuse a checkpoint's tokenizer and processor that do not fit its config, once at load:
+        an empty tokenizer, token ids past the LM's ``vocab_size`` embedding rows, a placeholder
+        the tokenizer does not know as the config's token id, a chat template that does not render.
+        ``source``: the checkpoint directory, for messages."""
+        tokenizer = getattr(processor, "tokenizer", None)
+        if tokenizer is None:
+            raise MmzooError(f"the processor of {source} has no tokenizer")
+        vocab = tokenizer.get_vocab()
+        if not vocab:
+            raise MmzooError(f"the tokenizer of {source} is empty (no tokens)")
+        size = max(len(tokenizer), max(vocab.values()) + 1)
+        if size > vocab_size:
+            raise MmzooError(f"the tokenizer of {source} has token ids up to {size - 1}, but the LM's vocabulary "
+                             f"(text_config.vocab_size) has {vocab_size} rows: its embedding has none for the ids "
+                             f"from {vocab_size}")
+        for kind in self.modalities:
+            try:
+                text, token = self.placeholder(kind, processor)
+            except AttributeError:
+                raise MmzooError(f"the processor of {source} ({type(processor).__name__}) has no {kind} placeholder "
+                                 f"({kind}_token)") from None
+            got = vocab.get(text)
+            if got != token:
+                where = f"id {got}" if got is not None else "not one of its tokens"
+                raise MmzooError(f"{source}/config.json: {kind}_token_id={token}, but the tokenizer's {kind} "
+                                 f"placeholder {text!r} is {where}")
+        check_chat_template(processor, source)
 
     # -- the shared template -------------------------------------------------------------------
     def accepts(self) -> frozenset[str]:

@@ -56,14 +56,25 @@ class Llava(Family):
     modalities = ("image",)
     hf_class = "LlavaForConditionalGeneration"
     tiny_checkpoint = "make_tiny_llava"
+    config_sections = ("text_config", "vision_config")
 
     def __init__(self, *, name: str, image_token_id: int, image_size: int, patch_size: int, in_channels: int,
                  select_strategy: str, num_layers: int, feature_layer: int | list[int]):
         super().__init__(name=name)
         self.depth = max(resolve_feature_layers(feature_layer, num_layers))
+        self.num_layers = int(num_layers)
         self.image_token_id = int(image_token_id)
         self.image_size, self.in_channels = int(image_size), int(in_channels)
         self.tokens_per_image = (image_size // patch_size) ** 2 + int(select_strategy == "full")
+
+    @classmethod
+    def check_config(cls, config, raw: dict, source: str) -> None:
+        """The base's checks, and a CLIP vision tower (the ``clip_vit`` encoder is CLIP's)."""
+        super().check_config(config, raw, source)
+        kind = config.vision_config.model_type
+        if kind != "clip_vision_model":
+            raise MmzooError(f"{source}: vision_config.model_type={kind!r}: model=llava's vision tower is CLIP's "
+                             f"(clip_vision_model)")
 
     def raw_media(self, kind: str, items: list, processor) -> Media:
         """The checkpoint's image processor (resize, center crop, normalize); one tower call for all
@@ -80,6 +91,9 @@ class Llava(Family):
 
     def precomputed(self, kind: str, embeds, layout, hidden_size: int) -> Media:
         """``image_embeds``: ``[images * tokens_per_image, hidden]`` (or a list of 2-D)."""
+        if layout is not None:  # every image gives the same rows: there is no layout to give
+            raise MmzooError(f"model={self.name} does not take image_grid_thw (each image is {self.tokens_per_image} "
+                             f"rows of image_embeds)")
         emb = as_embeds(embeds, "image_embeds", hidden=hidden_size)
         per = self.tokens_per_image
         if emb.shape[0] % per:
@@ -92,7 +106,8 @@ class Llava(Family):
         """transformers' keys (v5 ``model.vision_tower.* / model.multi_modal_projector.* /
         model.language_model.*`` or the hub's ``vision_tower.vision_model.* / multi_modal_projector.* /
         language_model.model.*``) -> the composition's. CLIP's ``post_layernorm`` is not part of
-        Llava's computation and is dropped, as are the blocks past the deepest feature layer."""
+        Llava's computation and is dropped, as are the blocks past the deepest feature layer (a block
+        past ``vision_config.num_hidden_layers`` is kept, for the strict loader to report)."""
         out: dict[str, torch.Tensor] = {}
         for key, value in hf.items():
             k = re.sub(r"^model\.(vision_tower|multi_modal_projector)\.", r"\1.", key)
@@ -102,7 +117,7 @@ class Llava(Family):
                 if k.startswith("post_layernorm."):
                     continue
                 m = re.match(r"encoder\.layers\.(\d+)\.", k)
-                if m and int(m.group(1)) >= self.depth:
+                if m and self.depth <= int(m.group(1)) < self.num_layers:  # a layer past num_layers: unexpected
                     continue
                 for pattern, repl in _VIT_RENAMES:
                     k = re.sub(pattern, repl, k)

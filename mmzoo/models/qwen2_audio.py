@@ -49,6 +49,7 @@ class Qwen2Audio(Family):
     modalities = ("audio",)
     hf_class = "Qwen2AudioForConditionalGeneration"
     tiny_checkpoint = "make_tiny_qwen2_audio"
+    config_sections = ("text_config", "audio_config")
 
     def __init__(self, *, name: str, audio_token_id: int, num_mel_bins: int, max_positions: int, pool_stride: int):
         super().__init__(name=name)

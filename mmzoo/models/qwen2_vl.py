@@ -41,6 +41,7 @@ class Qwen2VL(Family):
     modalities = ("image", "video")
     hf_class = "Qwen2VLForConditionalGeneration"
     tiny_checkpoint = "make_tiny_qwen2_vl"
+    config_sections = ("vision_config",)
 
     def __init__(self, *, name: str, image_token_id: int, video_token_id: int, merge_size: int, in_channels: int,
                  temporal_patch_size: int, patch_size: int, mrope: bool = True):
@@ -52,6 +53,23 @@ class Qwen2VL(Family):
     @property
     def position_axes(self) -> int:
         return 3 if self.mrope else 1
+
+    @classmethod
+    def check_config(cls, config, raw: dict, source: str) -> None:
+        """The base's checks, a text model (``text_config``, or the hub's flat layout), the patch
+        merger's output width equal to the LM's, and a ViT head dim its 2-D rotary can split."""
+        if "text_config" not in raw and "hidden_size" not in raw:
+            raise MmzooError(f"{source} has no text_config (nor the text model's hidden_size at the top, as the hub's "
+                             f"Qwen2-VL configs have it)")
+        super().check_config(config, raw, source)
+        vc, tc = config.vision_config, config.get_text_config()
+        if vc.hidden_size != tc.hidden_size:
+            raise MmzooError(f"{source}: vision_config.hidden_size={vc.hidden_size} (the patch merger's output width) "
+                             f"differs from the text model's hidden_size={tc.hidden_size}")
+        head = vc.embed_dim // vc.num_heads
+        if head % 4:
+            raise MmzooError(f"{source}: vision_config.embed_dim={vc.embed_dim} / num_heads={vc.num_heads} = {head}: "
+                             f"the ViT's 2-D rotary needs a head dim divisible by 4")
 
     def raw_media(self, kind: str, items: list, processor) -> Media:
         """Images / videos through transformers' image / video processor (resize within min/max
@@ -80,6 +98,11 @@ class Qwen2VL(Family):
         if layout is None:
             raise MmzooError(f"{emb_field} needs {grid_field} (Qwen2-VL places and positions each item by it)")
         grid = as_grid(layout, grid_field)
+        m = self.merge_size
+        odd = np.flatnonzero((grid[:, 1] % m) | (grid[:, 2] % m))
+        if len(odd):
+            raise MmzooError(f"{grid_field}[{odd[0]}] = {grid[odd[0]].tolist()}: h and w must be multiples of "
+                             f"merge_size={m} (each {m}x{m} block of patches is one embedding row)")
         emb = as_embeds(embeds, emb_field, hidden=hidden_size)
         m2 = self.merge_size ** 2
         counts = [int(n) for n in grid.prod(axis=1) // m2]

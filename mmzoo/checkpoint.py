@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mmzoo._weights import check_names, checkpoint_tensors, floating_names, load, parameter_shapes, tied_aliases
-from mmzoo.config import read_config, read_json_object
+from mmzoo.config import instantiate_part, read_config, read_json_object
 from mmzoo.errors import MmzooError
 
 __all__ = ["read_config", "read_processor", "read_safetensors", "load_strict", "load_component"]
@@ -78,7 +78,6 @@ def load_component(module: nn.Module, checkpoint: str | Path, part: str, *, mode
     architectures), and the component's prefix (``towers.vision.encoder.``, ``lm.``) is stripped.
     Strict: every tensor of ``module`` must be in the checkpoint with its shape. Returns ``module``."""
     from mmzoo.config import compose
-    from mmzoo.engine import instantiate_part
 
     if part not in ("encoder", "adapter", "lm"):
         raise MmzooError(f"part={part!r}: choose encoder, adapter or lm")

@@ -8,6 +8,7 @@ An entry point is ``run(cfg)`` (a plain function, importable and testable) plus:
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Callable
 
@@ -40,16 +41,14 @@ def add_checkpoint_choices(argv: list[str], config_name: str) -> list[str]:
     """``argv`` plus the overrides the checkpoint implies (:func:`mmzoo.config.auto_overrides`: the
     model from config.json's architectures, Llava's LM from ``text_config.model_type``), so that
     ``--cfg job`` prints, and the run builds, the pipeline for that checkpoint. Arguments Hydra
-    cannot parse are left for Hydra to report."""
-    from hydra._internal.utils import get_args_parser  # Hydra's own argument parser
-
+    cannot parse are left for Hydra to report (nothing added)."""
     from mmzoo import config
 
     try:
-        args = get_args_parser().parse_args(argv)
-    except SystemExit:
+        args, unknown = _hydra_args().parse_known_args(argv)
+    except (argparse.ArgumentError, SystemExit):
         return argv
-    if args.help or args.hydra_help or args.info or args.shell_completion:
+    if unknown or args.help or args.hydra_help or args.version or args.info or args.shell_completion:
         return argv
     try:
         overrides = list(args.overrides)
@@ -66,6 +65,22 @@ def add_checkpoint_choices(argv: list[str], config_name: str) -> list[str]:
     # not be split by a flag (``--cfg job checkpoint=D`` must stay one run with the choices added)
     at = argv.index(overrides[0]) if overrides else len(argv)
     return argv[:at] + extra + argv[at:]
+
+
+def _hydra_args() -> argparse.ArgumentParser:
+    """A parser of the command line ``hydra.main`` takes (its documented flags; ``--help`` lists
+    them), to read the overrides before Hydra composes them; Hydra itself parses it again."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("overrides", nargs="*")
+    for flags in (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r"),
+                  ("--multirun", "-m")):
+        parser.add_argument(*flags, action="store_true")
+    for flags in (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"),
+                  ("--config-dir", "-cd"), ("--experimental-rerun",)):
+        parser.add_argument(*flags)
+    parser.add_argument("--info", "-i", nargs="?", const="all")
+    parser.add_argument("--shell-completion", "-sc", action="store_true")
+    return parser
 
 
 def hydra_main(task: Callable[[DictConfig], object], config_name: str, *, config_dir=None) -> Callable[[], None]:

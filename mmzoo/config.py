@@ -441,12 +441,31 @@ def compose(overrides: list[str] | tuple = (), config_name: str = "infer", *, co
     return _with_values(_compose(config_name, overrides + extra, config_dir), values) if extra else cfg
 
 
+# ----------------------------------------------------------------------------- instantiating
+
+def instantiate_part(node: DictConfig, where: str, **kwargs):
+    """``hydra.utils.instantiate(node)``, with bad input reported as one :class:`MmzooError` naming
+    ``where`` (``model.lm``, ``executor``)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mmzoo.errors import find_mmzoo_error
+
+    try:
+        return instantiate(node, **kwargs)
+    except (InstantiationException, OmegaConfBaseException, ValueError, TypeError) as e:
+        inner = find_mmzoo_error(e)
+        if inner is not None:
+            raise MmzooError(str(inner)) from None
+        cause = e.__cause__ or e
+        raise MmzooError(f"{where}: {str(cause).splitlines()[0]}") from None
+
+
 def build_option(group: str, name: str, *, config_dir=None, **fields):
     """Instantiate the option ``name`` of ``group`` (``attention``, ``executor``, ``mesh``), with
     keyword overrides of its fields."""
-    from hydra.utils import instantiate
-
     if name not in options(group, config_dir=config_dir):
         raise MmzooError(f"{group}={name!r} is not an option; choose one of {options(group, config_dir=config_dir)}")
     node = _compose("infer", [f"{group}={name}"], config_dir)[group]
-    return instantiate(OmegaConf.merge(node, fields) if fields else node)
+    return instantiate_part(OmegaConf.merge(node, fields) if fields else node, group)

@@ -29,8 +29,8 @@ from omegaconf import DictConfig, OmegaConf
 from mmzoo import _weights
 from mmzoo import config as _config
 from mmzoo import embeds_file
-from mmzoo.config import read_config
-from mmzoo.errors import MmzooError, find_mmzoo_error
+from mmzoo.config import instantiate_part, read_config
+from mmzoo.errors import MmzooError
 from mmzoo.executor import Drain, Executor
 from mmzoo.limits import Limits, check_request, prompt_chars_bound
 from mmzoo.models import Family, MultimodalLM, Tower
@@ -311,27 +311,6 @@ def _eos_ids(checkpoint: Path, config, tokenizer, *, vocab_size: int) -> list[in
     return ids
 
 
-def instantiate_part(node: DictConfig, where: str, **kwargs):
-    """``hydra.utils.instantiate(node)``, with bad input reported as one :class:`MmzooError` naming ``where``."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        return instantiate(node, **kwargs)
-    except (InstantiationException, OmegaConfBaseException, ValueError, TypeError) as e:
-        inner = find_mmzoo_error(e)
-        if inner is not None:
-            raise MmzooError(str(inner)) from None
-        cause = e.__cause__ or e
-        raise MmzooError(f"{where}: {str(cause).splitlines()[0]}") from None
-
-
-def _uses_root_attention(node: DictConfig) -> bool:
-    raw = OmegaConf.to_container(node, resolve=False)
-    return isinstance(raw, dict) and raw.get("attention") == "${attention}"
-
-
 def backends_of(module: torch.nn.Module) -> list[str]:
     """The attention backends a module's layers use (names, in order of first use)."""
     from mmzoo.layers import Attention
@@ -370,7 +349,10 @@ def build_model(cfg: DictConfig, *, attention=None, towers: bool = True, empty: 
             if name != "lm" and not towers:
                 continue
             node = mcfg[name]
-            kwargs = {"attention": attention} if attention is not None and _uses_root_attention(node) else {}
+            # the pipeline's backend object goes to the components whose attention is the pipeline's
+            # (``attention: ${attention}``: the very node of the root's ``attention``)
+            uses_pipeline = "attention" in node and node.attention is cfg.get("attention")
+            kwargs = {"attention": attention} if attention is not None and uses_pipeline else {}
             parts[name] = instantiate_part(node, f"model.{name}", **kwargs)
     lm = parts["lm"]
     axes = lm.rotary.num_axes

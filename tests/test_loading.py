@@ -63,7 +63,7 @@ def test_checkpoint_load_equals_loading_into_a_random_init(tmp_path, executor):
     family, model = engine_mod.build_model(cfg)
     state = family.convert_weights(ckpt_io.read_safetensors(ckpt))
     ckpt_io.load_strict(model, state, source="ckpt")
-    exe = engine_mod.instantiate_part(cfg.executor, "executor")
+    exe = config.instantiate_part(cfg.executor, "executor")
     exe.setup(model, dtype="float32")
     ref = {k: v.detach().cpu() for k, v in exe.model.state_dict().items()}
     got = _engine_tensors(lazy)

@@ -319,7 +319,11 @@ def _dirs(config_dir) -> list[Path]:
 def zoo(config_dir=None) -> Iterator[None]:
     """Hydra initialized on mmzoo's conf/ plus ``config_dir`` (a directory or a list), searched as
     ``--config-dir`` is on the command line; any Hydra state around it is restored afterwards (so
-    the API also works inside a ``@hydra.main`` app, or a test that initialized Hydra)."""
+    the API also works inside a ``@hydra.main`` app, or a test that initialized Hydra).
+
+    The one use of Hydra's private modules in mmzoo: the public ``initialize_config_dir`` takes one
+    directory, and ``hydra.searchpath`` appends after conf/ where ``--config-dir`` prepends (a
+    user's file of a zoo name must win, as on the command line)."""
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_config_search_path
     from hydra.core.config_search_path import SearchPathQuery

@@ -421,14 +421,6 @@ PROCESSOR_FILES = {
 }
 
 
-@pytest.mark.parametrize("case", list(PROCESSOR_FILES))
-def test_bad_tokenizer_processor_or_generation_config(qwen2_vl_ckpt, tmp_path, case):
-    breaker, match = PROCESSOR_FILES[case]
-    ckpt = _damaged(qwen2_vl_ckpt, tmp_path, breaker)
-    with pytest.raises(MmzooError, match=match):
-        mmzoo.load(ckpt, executor="eager")
-
-
 def test_missing_chat_template_is_named_when_a_prompt_needs_it(llava_ckpt, tmp_path):
     """A checkpoint without a chat template loads (token prompts need none); a text prompt is refused."""
     engine = mmzoo.load(_damaged(llava_ckpt, tmp_path, _drop_file("chat_template.jinja")), executor="eager")
@@ -527,9 +519,10 @@ WEIGHTS = {
 }
 
 
-@pytest.mark.parametrize("case", list(WEIGHTS))
-def test_bad_weights(qwen2_vl_ckpt, tmp_path, case):
-    breaker, match = WEIGHTS[case]
+@pytest.mark.parametrize("case", list(PROCESSOR_FILES) + list(WEIGHTS))
+def test_bad_processor_files_or_weights(qwen2_vl_ckpt, tmp_path, case):
+    """The tokenizer, processor, generation config, weights and index: one error each."""
+    breaker, match = {**PROCESSOR_FILES, **WEIGHTS}[case]
     ckpt = _damaged(qwen2_vl_ckpt, tmp_path, breaker)
     with pytest.raises(MmzooError, match=match):
         mmzoo.load(ckpt, executor="eager")

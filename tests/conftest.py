@@ -18,10 +18,10 @@ def tiny_checkpoint(name: str, family: str, doc: str, **kwargs):
     ``<tmp>/<name without _ckpt>`` with ``seed=0`` and ``kwargs``."""
 
     def build(tmp_path_factory):
-        import mmzoo.fixtures
         from mmzoo.config import family_class
+        from mmzoo.fixtures import tiny_checkpoint_builder
 
-        make = getattr(mmzoo.fixtures, family_class(family).tiny_checkpoint)
+        make = tiny_checkpoint_builder(family_class(family))
         return make(tmp_path_factory.mktemp("ckpt") / name.removesuffix("_ckpt"), seed=0, **kwargs)
 
     build.__doc__ = doc
@@ -80,6 +80,6 @@ def tiny_checkpoints(request, tmp_path_factory):
         try:
             out[name] = request.getfixturevalue(f"{name}_ckpt")
         except pytest.FixtureLookupError:
-            make = getattr(mmzoo.fixtures, family_class(name).tiny_checkpoint)
+            make = mmzoo.fixtures.tiny_checkpoint_builder(family_class(name))
             out[name] = make(tmp_path_factory.mktemp("ckpt") / name, seed=0)
     return out

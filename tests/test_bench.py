@@ -1,8 +1,9 @@
 """End-to-end runs of ``python -m mmzoo.bench`` on the smoke recipes: they complete and their JSON holds the figures.
 
-Qwen2-VL's recipe is checked figure by figure, Llava's and Qwen2-Audio's for the same facts on
-every family. Only what does not depend on timing (every request finished with exactly its token
-count, the systems agree, nothing compiled after warmup); never the timings.
+Qwen2-VL's recipe is checked figure by figure; every conf/model family (:func:`mmzoo.fixtures.families`)
+runs ``recipes/bench_family_smoke.yaml`` on its tiny test checkpoint for the same facts. Only what
+does not depend on timing (every request finished with exactly its token count, the systems agree,
+nothing compiled after warmup); never the timings.
 """
 
 from __future__ import annotations
@@ -14,8 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
+
+from mmzoo import config
+from mmzoo.fixtures import families
 
 ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = families()  # every conf/model option: its family class and tiny checkpoint builder
 SYSTEMS = ("mmzoo-xla", "mmzoo-eager", "transformers")
 METRICS = ("completed", "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
            *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("mean", "median", "p99")),
@@ -95,20 +101,47 @@ def test_tensor_parallel_sweep_rows(tmp_path):
     assert "mesh data=1 x model=2" in rows[1]["describe"] and rows[0]["median_itl_ms"] > 0
 
 
+def _random_sizes(recipe: str, *overrides: str) -> tuple[str, dict]:
+    """A smoke recipe's family and the keyword arguments it hands that family's checkpoint builder."""
+    cfg = config.compose(list(overrides), config_name=recipe, config_dir=ROOT / "recipes")
+    sizes = OmegaConf.to_container(cfg.checkpoint.random, resolve=True)
+    return cfg.family, {k: v for k, v in sizes.items() if v is not None}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_smoke_recipe_fits_every_family(name):
+    """bench_family_smoke composes for every family and hands its checkpoint builder nothing but the
+    seed (conf/bench.yaml's Qwen2-VL sizes all dropped): the builder's defaults are the tests' sizes."""
+    assert _random_sizes("bench_family_smoke", f"family={name}") == (name, {"seed": 0})
+
+
+# the per-family smoke recipes that are bench_family_smoke with their family set (documented commands)
+ALIASES = sorted(p.stem for p in (ROOT / "recipes").glob("bench_*_smoke.yaml")
+                 if "bench_family_smoke" in (OmegaConf.load(p).get("defaults") or []))
+
+
+@pytest.mark.parametrize("recipe", ALIASES)
+def test_per_family_smoke_recipes_are_the_family_recipe(recipe):
+    family, sizes = _random_sizes(recipe)
+    assert recipe == f"bench_{family}_smoke" and family in FAMILIES and sizes == {"seed": 0}
+
+
 @pytest.mark.slow  # the bench's stages: test_smoke_recipe_writes_every_figure; these families' tokens: test_parity
-@pytest.mark.parametrize("recipe,media", [("bench_llava_smoke", "image"), ("bench_qwen2_audio_smoke", "audio")])
-def test_smoke_recipe_of_every_family(tmp_path, recipe, media):
-    """Llava (images) and Qwen2-Audio (audio clips) through every system: every request completes,
-    greedy outputs agree between mmzoo-eager, mmzoo-xla and transformers' own class, nothing compiles
-    after warmup; the image-size sweep runs on images only (skipped, with a note, on audio)."""
-    p = _bench(tmp_path, recipe)
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_smoke_recipe_of_every_family(tmp_path, name):
+    """Every conf/model family through every system on its tiny checkpoint (bench_family_smoke):
+    every request completes, greedy outputs agree between mmzoo-eager, mmzoo-xla and transformers'
+    own class (the family's ``hf_class``), nothing compiles after warmup; the image-size sweep runs
+    on image families only (skipped, with a note, on audio)."""
+    media = FAMILIES[name].media
+    p = _bench(tmp_path, "bench_family_smoke", f"family={name}")
     assert "Serving benchmark" in p.stdout and "Targets:" in p.stdout
     res = json.loads((tmp_path / "bench.json").read_text())
     cfg = res["config"]["workload"]
     n, new = cfg["num_requests"], cfg["max_new_tokens"]
     assert set(res["systems"]) == set(SYSTEMS)
-    for name, m in res["systems"].items():
-        assert m["completed"] == n and m["total_output_tokens"] == n * new, (name, m)
+    for system, m in res["systems"].items():
+        assert m["completed"] == n and m["total_output_tokens"] == n * new, (system, m)
     assert len({m["total_input_tokens"] for m in res["systems"].values()}) == 1  # the same prompts, media tokens too
     assert res["systems"]["mmzoo-xla"]["graphs_compiled_after_warmup"] == 0
     assert res["agreement"]["mmzoo-eager"] == {"mmzoo-xla": n, "transformers": n}  # greedy fp32: same tokens

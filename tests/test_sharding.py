@@ -7,13 +7,15 @@ single-device reference is computed there too, by the eager executor (plain CPU 
 SPMD leaves alone; the unsharded XLA executor matches it token for token, test_executor.py).
 
 Checked: greedy tokens identical to the reference for tp=2 (every attention backend), tp=4 and
-dp=2 x tp=2 on Qwen2-VL, Llava at tp=2, Qwen2-Audio at dp=2 x tp=2; no graph compiled after
-warmup; the sharding of each weight and of the KV cache. Bad meshes are checked in this process:
-they fail before SPMD is switched on.
+dp=2 x tp=2 on Qwen2-VL, and for every conf/model family (:func:`mmzoo.fixtures.families`, on its
+tiny checkpoint) at dp=2 x tp=2 with Pallas run per shard; no graph compiled after warmup; the
+sharding of each weight (the family's own plan, ``Family.tp_plan``) and of the KV cache. The plans
+and bad meshes are checked in this process: they fail before SPMD is switched on.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -29,33 +31,36 @@ from mmzoo import config
 from mmzoo.errors import MmzooError
 from mmzoo.executor import MeshSpec
 from mmzoo.executor._sharding import ShardingPlan, mesh_option
-from mmzoo.fixtures import make_image, make_tiny_qwen2_vl
-from mmzoo.fixtures import make_audio, make_tiny_llava, make_tiny_qwen2_audio, write_wav
+from mmzoo.fixtures import families, make_audio, make_image, make_tiny_qwen2_vl, write_wav
+from mmzoo.models import Family
 
 GEN = {"max_new_tokens": 8, "ignore_eos": True}
+FAMILIES = families()  # every conf/model option: its family class and tiny checkpoint builder
+MESH = "qwen2_vl-4heads"  # the checkpoint of the mesh and backend cases: Qwen2-VL with 4 vision heads (tp=4 divides)
 QWEN2_VL_XLA = {"max_model_len": 128, "max_batch": 2, "prefill_buckets": [64], "encoder_buckets": {"vision": [64]},
                 "min_encoder_rows": 64, "max_encoder_rows": 64}
-LLAVA_XLA = dict(QWEN2_VL_XLA, encoder_buckets={"vision": [1]})
-AUDIO_XLA = dict(QWEN2_VL_XLA, max_model_len=160, prefill_buckets=[128], encoder_buckets={"audio": [2]})
-# (name, family, mesh, attention[, executor options]): every backend at tp=2, then the other meshes, then
-# the other families; one with fused q/k/v and gate/up projections (split column-wise like their parts)
-CASES = [("qwen2_vl-tp2-sdpa", "qwen2_vl", {"model": 2}, "sdpa"),
-         ("qwen2_vl-tp2-sdpa-fused", "qwen2_vl", {"model": 2}, "sdpa", {"fuse_projections": True}),
-         ("qwen2_vl-tp2-eager", "qwen2_vl", {"model": 2}, "eager"),
-         ("qwen2_vl-tp2-pallas", "qwen2_vl", {"model": 2}, "pallas"),
-         ("qwen2_vl-tp4-pallas", "qwen2_vl", {"model": 4}, "pallas"),  # 2 kv heads < 4: replicated
-         ("qwen2_vl-dp2tp2-sdpa", "qwen2_vl", {"data": 2, "model": 2}, "sdpa"),
-         ("llava-tp2-eager", "llava", {"model": 2}, "eager"),
-         ("qwen2_audio-dp2tp2-pallas", "qwen2_audio", {"data": 2, "model": 2}, "pallas")]
+# every family's case: the tower's own buckets (patches up to 64 rows, or whole items), room for two 1 s clips
+FAMILY_XLA = {"max_model_len": 160, "max_batch": 2, "prefill_buckets": [128], "min_encoder_rows": 64,
+              "max_encoder_rows": 64}
+# (name, family, checkpoint, mesh, attention, executor options): every backend at tp=2, then the other meshes,
+# one with fused q/k/v and gate/up projections (split column-wise like their parts); then every family at
+# dp=2 x tp=2 with Pallas, whose kernels run per shard on each tower's own attention inputs (segments, lengths)
+CASES = [("qwen2_vl-tp2-sdpa", "qwen2_vl", MESH, {"model": 2}, "sdpa", QWEN2_VL_XLA),
+         ("qwen2_vl-tp2-sdpa-fused", "qwen2_vl", MESH, {"model": 2}, "sdpa", dict(QWEN2_VL_XLA, fuse_projections=True)),
+         ("qwen2_vl-tp2-eager", "qwen2_vl", MESH, {"model": 2}, "eager", QWEN2_VL_XLA),
+         ("qwen2_vl-tp2-pallas", "qwen2_vl", MESH, {"model": 2}, "pallas", QWEN2_VL_XLA),
+         ("qwen2_vl-tp4-pallas", "qwen2_vl", MESH, {"model": 4}, "pallas", QWEN2_VL_XLA),  # 2 kv heads < 4: replicated
+         ("qwen2_vl-dp2tp2-sdpa", "qwen2_vl", MESH, {"data": 2, "model": 2}, "sdpa", QWEN2_VL_XLA),
+         *((f"{name}-dp2tp2-pallas", name, name, {"data": 2, "model": 2}, "pallas", FAMILY_XLA)
+           for name in sorted(FAMILIES))]
+FAMILY_CASES = {f"{name}-dp2tp2-pallas": name for name in sorted(FAMILIES)}
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    """Tiny checkpoints whose towers have 4 heads (so tp=4 divides them) where a case needs it."""
+def ckpts(tmp_path_factory, tiny_checkpoints):
+    """Every family's tiny checkpoint (by family), and Qwen2-VL's with 4 vision heads (``MESH``)."""
     root = tmp_path_factory.mktemp("spmd")
-    return {"qwen2_vl": make_tiny_qwen2_vl(root / "qwen2_vl", seed=0, vision_num_heads=4),
-            "llava": make_tiny_llava(root / "llava", seed=0),
-            "qwen2_audio": make_tiny_qwen2_audio(root / "qwen2_audio", seed=0)}
+    return {**tiny_checkpoints, MESH: make_tiny_qwen2_vl(root / "qwen2_vl", seed=0, vision_num_heads=4)}
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +76,8 @@ def media(tmp_path_factory):
 
 
 def requests_for(family: str, media) -> list[dict]:
-    """Three requests through two slots (one reuses a freed slot), with and without media."""
-    kind = "audios" if family == "qwen2_audio" else "images"
+    """Three requests through two slots (one reuses a freed slot), with and without the family's media."""
+    kind = FAMILIES[family].media + "s"
     return [{"prompt": "what is in this", kind: media[kind][:1], **GEN},
             {"prompt": "hello there friend", **GEN},
             {"prompt": "describe it", kind: media[kind][1:], **GEN}]
@@ -82,10 +87,9 @@ def requests_for(family: str, media) -> list[dict]:
 def spmd(ckpts, media, tmp_path_factory):
     """Runs every case in one subprocess on 4 virtual CPU devices; ``{"cases": {name: record}}``."""
     root = tmp_path_factory.mktemp("spmd_run")
-    executor = {"qwen2_vl": QWEN2_VL_XLA, "llava": LLAVA_XLA, "qwen2_audio": AUDIO_XLA}
-    cases = [{"name": name, "checkpoint": str(ckpts[family]), "mesh": mesh, "attention": attention,
-              "executor": {**executor[family], **(extra[0] if extra else {})}, "requests": requests_for(family, media)}
-             for name, family, mesh, attention, *extra in CASES]
+    cases = [{"name": name, "checkpoint": str(ckpts[ckpt]), "mesh": mesh, "attention": attention,
+              "executor": executor, "requests": requests_for(family, media)}
+             for name, family, ckpt, mesh, attention, executor in CASES]
     (root / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
     worker = Path(__file__).with_name("_spmd_worker.py")
@@ -171,9 +175,56 @@ def test_kv_cache_sharding(spmd):
     assert tiles(_case(spmd, "qwen2_vl-tp2-sdpa")["cache_spec"], 4) == (1, 2, 1, 1)  # + 2 replicas
     assert "2 replicas" in _case(spmd, "qwen2_vl-tp2-sdpa")["describe"]
     assert tiles(_case(spmd, "qwen2_vl-dp2tp2-sdpa")["cache_spec"], 4) == (2, 2, 1, 1)
-    audio = _case(spmd, "qwen2_audio-dp2tp2-pallas")["specs"]
-    assert tiles(audio["towers.audio.encoder.blocks.0.attn.q_proj.weight"], 2) == (2, 1)
-    assert tiles(audio["towers.audio.encoder.conv1.weight"], 3) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("case", sorted(FAMILY_CASES))
+def test_every_family_is_sharded_as_its_plan_says(spmd, ckpts, case):
+    """On the devices, every weight of a family's engine is split as its family's plan
+    (``Family.tp_plan``) says, its tower's too, and its KV cache over the data axis and the kv heads."""
+    rec = _case(spmd, case)
+    family, model = _built(ckpts[FAMILY_CASES[case]])
+    plan = ShardingPlan(MeshSpec(data=2, model=2), model, max_batch=2, rules=family.tp_plan)
+    assert set(rec["specs"]) == set(plan.specs)
+    for name, spec in plan.specs.items():
+        want = tuple(2 if axis else 1 for axis in spec)  # 'model' (2 ways) or None per dimension
+        assert tiles(rec["specs"][name], len(spec)) == want, (name, rec["specs"][name])
+    assert any(n.startswith("towers.") and any(spec) for n, spec in plan.specs.items())  # the tower is split too
+    assert tiles(rec["cache_spec"], 4) == (2, 2 if plan.kv_sharded else 1, 1, 1)
+
+
+# The one tensor-parallel plan every family had before each declared its own parts' patterns
+# (Family.tp_plan = the shared components' TP_PLAN + its own): it named Llava's and Qwen2-VL's adapters.
+PLAN_BEFORE = {
+    "*.attn.q_proj.*": "colwise", "*.attn.k_proj.*": "colwise_kv", "*.attn.v_proj.*": "colwise_kv",
+    "*.attn.qkv_proj.*": "colwise", "*.attn.o_proj.*": "rowwise",
+    "*.mlp.gate_proj.*": "colwise", "*.mlp.up_proj.*": "colwise", "*.mlp.gate_up_proj.*": "colwise",
+    "*.mlp.down_proj.*": "rowwise", "*.mlp.fc1.*": "colwise", "*.mlp.fc2.*": "rowwise",
+    "towers.*.adapter.fc1.*": "colwise", "towers.*.adapter.fc2.*": "rowwise",
+    "towers.*.adapter.mlp.0.*": "colwise", "towers.*.adapter.mlp.2.*": "rowwise",
+    "lm.embed_tokens.weight": "vocab", "lm.lm_head.weight": "vocab",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_plan_splits_every_parameter_as_before(ckpts, name):
+    """A family's plan splits every parameter of its model as the one shared plan did (``PLAN_BEFORE``)
+    with the family's own patterns first: for the families that plan named, exactly as before; a new
+    family's own patterns decide for its own parts alone. Each of its own patterns names a parameter."""
+    family, model = _built(ckpts[name])
+    own = {p: style for p, style in family.tp_plan.items() if Family.tp_plan.get(p) != style}
+    mesh = MeshSpec(model=2)
+    want = ShardingPlan(mesh, model, max_batch=2, rules={**own, **PLAN_BEFORE}).specs
+    assert ShardingPlan(mesh, model, max_batch=2, rules=family.tp_plan).specs == want
+    names = [n for n, _ in model.named_parameters()]
+    assert all(any(fnmatch.fnmatchcase(n, p) for n in names) for p in own), own
+
+
+def test_the_default_plan_is_the_shared_components(ckpts):
+    """Without a family's plan, the adapters are not split (their patterns are the families')."""
+    plan = ShardingPlan(MeshSpec(model=2), _built(ckpts["qwen2_vl"])[1], max_batch=2)
+    assert plan.rules == Family.tp_plan and not any(p.startswith("towers.") for p in plan.rules)
+    assert plan.specs["towers.vision.adapter.mlp.0.weight"] == (None, None)
+    assert plan.specs["towers.vision.encoder.blocks.0.mlp.fc1.weight"] == ("model", None)
 
 
 # ---------------------------------------------------------------- bad meshes (this process, no SPMD)
@@ -197,14 +248,14 @@ def test_heads_not_divisible(ckpts):
         mmzoo.load(ckpts["qwen2_vl"], executor="xla", mesh={"model": 8}, warmup=False)
     # Llava's LM has 4 heads (2 kv heads: replicated at model=4), its CLIP tower 2
     with pytest.raises(MmzooError, match=r"mesh.model=4 does not divide num_heads=2 of towers.vision.encoder.blocks.0"):
-        ShardingPlan(MeshSpec(model=4), _built(ckpts["llava"]), max_batch=2)
+        ShardingPlan(MeshSpec(model=4), _built(ckpts["llava"])[1], max_batch=2)
 
 
 def _built(ckpt):
-    """The family's modules for ``ckpt`` (random weights; structure only)."""
+    """``(family, modules)`` for ``ckpt`` (parameters on the meta device: structure only)."""
     from mmzoo.engine import build_model
 
-    return build_model(mmzoo.compose(values={"checkpoint": str(ckpt)}))[1]
+    return build_model(mmzoo.compose(values={"checkpoint": str(ckpt)}), empty=True)
 
 
 def test_kv_heads_neither_divides():

@@ -121,13 +121,13 @@ def _given_checkpoint(path: Path, fam: Family, model: str) -> Path:
 
 
 def _build(path: Path, fam: Family, sizes: dict) -> None:
-    import mmzoo.fixtures
+    from mmzoo.fixtures.registry import by_path
 
     say(f"building a random {fam.hf_class} checkpoint at {path}")
     path.parent.mkdir(parents=True, exist_ok=True)  # the cache folder on a fresh machine
     try:
         with atomic_path(path, directory=True) as tmp:
-            getattr(mmzoo.fixtures, fam.fixture)(tmp, **sizes)
+            by_path(fam.fixture if "." in fam.fixture else f"mmzoo.fixtures.{fam.fixture}")(tmp, **sizes)
     except TypeError as e:  # a size name the family's fixture does not take
         raise MmzooError(f"checkpoint.random: {e}; it holds the keyword arguments of mmzoo.fixtures.{fam.fixture} "
                          f"(conf/bench.yaml's are Qwen2-VL's: a recipe for another family sets those it lacks "

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from mmzoo.encoders._base import Encoder
 from mmzoo.layers import layer_norm, vit_block
 
 
@@ -38,7 +39,7 @@ def resolve_feature_layers(layers: int | Sequence[int], num_layers: int) -> list
     return out
 
 
-class ClipVisionEncoder(nn.Module):
+class ClipVisionEncoder(Encoder):
     """Conv patch embedding + class token + learned positions + pre-norm + ViT blocks; returns the
     selected hidden states, one row per image token.
 
@@ -85,7 +86,8 @@ class ClipVisionEncoder(nn.Module):
 
     @property
     def rows_per_item(self) -> int:
-        """Output rows per input row (one image): an executor buckets this tower's inputs by images."""
+        """Output rows per input row (one image): an executor buckets this tower's inputs by images
+        (:class:`~mmzoo.encoders.Encoder`)."""
         return self.tokens_per_image
 
     @property

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mmzoo.encoders._base import Encoder
 from mmzoo.layers import rope_2d, vit_block
 
 
@@ -33,7 +34,7 @@ class PatchEmbed3D(nn.Module):
         return F.linear(patches.to(self.proj.weight.dtype), self.proj.weight.flatten(1))
 
 
-class Qwen2VisionEncoder(nn.Module):
+class Qwen2VisionEncoder(Encoder):
     """Patch embedding + ViT blocks with 2-D RoPE; returns per-patch features (merging is the adapter's).
 
     Args:
@@ -44,8 +45,10 @@ class Qwen2VisionEncoder(nn.Module):
         norm_eps: LayerNorm epsilon.
     """
 
-    rotary_input = "patch_pos"  # the forward input holding the rotary positions (an executor may tabulate
-    # self.rotary: a position is a patch's row or column in its image grid, so below the image's patches)
+    # the Encoder contract: the input rows are patches of several items (rows_per_item None), and
+    # patch_pos holds self.rotary's positions (a patch's row or column in its image grid, so below
+    # the rows of one call: an executor may tabulate the rotary to its largest bucket)
+    rotary_input = "patch_pos"
 
     def __init__(self, *, in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int,
                  depth: int, num_heads: int, mlp_ratio: float, act: str, attn_fn, rope_theta: float = 10000.0,

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mmzoo.encoders._base import Encoder
 from mmzoo.layers import layer_norm, vit_block
 
 
@@ -27,7 +28,7 @@ def conv_lengths(mel_frames):
     return (mel_frames - 1) // 2 + 1
 
 
-class WhisperEncoder(nn.Module):
+class WhisperEncoder(Encoder):
     """Conv stem + positions + bidirectional pre-LN blocks (+ time pooling) + LayerNorm.
 
     Args:
@@ -72,7 +73,8 @@ class WhisperEncoder(nn.Module):
 
     @property
     def rows_per_item(self) -> int:
-        """Output rows per input row (one clip): an executor buckets this tower's inputs by clips."""
+        """Output rows per input row (one clip): an executor buckets this tower's inputs by clips
+        (:class:`~mmzoo.encoders.Encoder`)."""
         return self.tokens_per_clip
 
     def forward(self, features: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

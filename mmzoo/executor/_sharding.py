@@ -8,13 +8,16 @@ program is the same one as on a single device (one process per host, one virtual
 
 A mesh has two named axes, ``data`` and ``model`` (``conf/mesh/``: ``single``, ``tp``,
 ``dp_tp``). Which parameter splits how is a plan of parameter-name patterns, declared by the
-family (:attr:`mmzoo.models.Family.tp_plan`, default :data:`mmzoo.models.TP_PLAN`; the style of
-transformers' ``tp_plan``), in Megatron-LM's split (Shoeybi et al., 2019):
+family (:attr:`mmzoo.models.Family.tp_plan`; the style of transformers' ``tp_plan``): the shared
+components' :data:`mmzoo.models.TP_PLAN` (the attention and MLP layers every LM, ViT block and
+encoder shares, the LM's embedding and head) extended by the family with its own parts' patterns
+(:func:`mmzoo.models.extend_tp_plan`: Llava's projector, Qwen2-VL's patch merger), in Megatron-LM's
+split (Shoeybi et al., 2019):
 
-* ``colwise`` (attention q/k/v, gate/up, MLP ``fc1``, the merger's first linear): weight
+* ``colwise`` (attention q/k/v, gate/up, MLP ``fc1``, an adapter's first linear): weight
   ``[out, in]`` -> ``('model', None)``, bias ``('model',)``: each shard computes whole heads (or a
   slice of the MLP width);
-* ``rowwise`` (``o_proj``, ``down_proj``, ``fc2``, the merger's second linear): ``(None, 'model')``,
+* ``rowwise`` (``o_proj``, ``down_proj``, ``fc2``, an adapter's second linear): ``(None, 'model')``,
   bias replicated: partial sums, all-reduced by GSPMD;
 * ``vocab`` (the LM's token embedding and ``lm_head``): ``('model', None)``;
 * anything unmatched (norms, conv stems, patch/position/class embeddings, the audio projector):
@@ -123,9 +126,9 @@ _STYLES = ("colwise", "colwise_kv", "rowwise", "vocab", "replicate")
 
 class ShardingPlan:
     """The partition spec of every parameter of ``model`` on ``mesh``, from a tensor-parallel plan of
-    parameter-name patterns (a family's :attr:`~mmzoo.models.Family.tp_plan`; default
-    :data:`mmzoo.models.TP_PLAN`), validated on the host (no device is touched, so a bad mesh fails
-    before SPMD is switched on).
+    parameter-name patterns (``rules``: a family's :attr:`~mmzoo.models.Family.tp_plan`; default
+    :data:`mmzoo.models.TP_PLAN`, the shared components' alone), validated on the host (no device is
+    touched, so a bad mesh fails before SPMD is switched on).
 
     Attributes:
         specs: parameter name -> partition spec (a tuple of ``'model'``/``None`` per dim).
@@ -137,6 +140,7 @@ class ShardingPlan:
     """
 
     def __init__(self, mesh: MeshSpec, model: torch.nn.Module, *, max_batch: int, rules: Mapping | None = None):
+        from mmzoo.layers import Attention
         from mmzoo.models.family import TP_PLAN
 
         self.mesh, m = mesh, mesh.model
@@ -149,9 +153,9 @@ class ShardingPlan:
                              f"the decode slots are split over the data axis")
         self.kv_split: dict[str, bool] = {}  # attention module -> its kv heads split over model
         for name, mod in model.named_modules():
-            heads, kv = getattr(mod, "num_heads", None), getattr(mod, "num_kv_heads", None)
-            if not isinstance(heads, int) or not isinstance(kv, int):
-                continue  # not an attention layer
+            if not isinstance(mod, Attention):
+                continue
+            heads, kv = mod.num_heads, mod.num_kv_heads
             where = name.rsplit(".attn", 1)[0] if ".attn" in name else name
             if heads % m:
                 raise MmzooError(f"mesh.model={m} does not divide num_heads={heads} of {where} "

@@ -263,7 +263,7 @@ class Executor:
         """The rotary positions of a tower with a tabulated rotary (its encoder's ``rotary_input``)
         must be in its table: on XLA a gather past it would clamp silently."""
         encoder = self.model.towers[item.tower].encoder
-        name = getattr(encoder, "rotary_input", None)
+        name = encoder.rotary_input
         table = encoder.rotary.positions if name else None
         top = int(item.inputs[name].max(initial=0)) if table is not None else 0
         if table is not None and top >= table:

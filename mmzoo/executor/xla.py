@@ -176,13 +176,13 @@ class XLAExecutor(Executor):
         if self.replay_steps is True and self.sharding is not None:
             raise ValueError("replay_steps=true is not supported with a device mesh; use auto or false")
         for tower, module in model.towers.items():  # towers whose input rows are whole items (images, clips)
-            per = getattr(module.encoder, "rows_per_item", None)
+            per = module.encoder.rows_per_item  # the Encoder contract (mmzoo.encoders.Encoder)
             if tower not in self.encoder_buckets and per:
                 self.encoder_buckets[tower] = doubling(1, max(1, min(MAX_ITEMS_PER_CALL, self.max_media_rows() // per)))
         super().setup(model, dtype=dtype, eos_token_ids=eos_token_ids, take_ownership=take_ownership,
                       weights=weights, progress=progress)
         self.replaying = self.sharding is None if self.replay_steps == "auto" else bool(self.replay_steps)
-        skipping = all(getattr(b, "skips_past_length", False) for b in self._lm_backends(self.model))
+        skipping = all(b.skips_past_length for b in self._lm_backends(self.model))
         self.decode_kv_buckets = self._kv_buckets or (
             [self.max_model_len] if skipping else doubling(min(self.min_decode_kv, self.max_model_len),
                                                            self.max_model_len))
@@ -193,8 +193,7 @@ class XLAExecutor(Executor):
             [self.max_batch] if self.sharding is not None else
             sorted({1, self.max_batch}) if self._cpu_alone() else doubling(min(8, self.max_batch), self.max_batch))
         if self.windowed_prefill == "auto":
-            self.windowed_prefill = not all(getattr(b, "skips_masked_blocks", False)
-                                            for b in self._lm_backends(self.model))
+            self.windowed_prefill = not all(b.skips_masked_blocks for b in self._lm_backends(self.model))
 
     def _transposing(self) -> bool:
         return self._cpu_alone() if self.transpose_weights == "auto" else bool(self.transpose_weights)
@@ -207,7 +206,7 @@ class XLAExecutor(Executor):
         if self.rotary_table in ("auto", True):
             model.lm.rotary.tabulate(self.max_model_len)
             for name, tower in model.towers.items():
-                if getattr(tower.encoder, "rotary_input", None):
+                if tower.encoder.rotary_input:
                     tower.encoder.rotary.tabulate(self.tower_buckets(name)[-1])
 
     def layout(self, name: str, unit, whole: bool) -> None:
@@ -236,7 +235,7 @@ class XLAExecutor(Executor):
                              "[slots, heads, len, head_dim] keys); use auto or false")
         if self.transpose_keys != "auto":
             return bool(self.transpose_keys)
-        return self._cpu_alone() and all(getattr(b, "matmul_keys", False) for b in self._lm_backends(model))
+        return self._cpu_alone() and all(b.matmul_keys for b in self._lm_backends(model))
 
     def _cpu_alone(self) -> bool:
         """On the XLA CPU client without a device mesh: where the ``auto`` layouts apply."""
@@ -244,6 +243,8 @@ class XLAExecutor(Executor):
 
     @staticmethod
     def _lm_backends(model) -> list:
+        """The LM's attention backends: :class:`~mmzoo.backends.AttentionBackend`s, whose declared
+        facts (``matmul_keys``, ``skips_past_length``, ``skips_masked_blocks``) pick the layouts."""
         from mmzoo.layers.attention import Attention
 
         return [m.attn_fn for m in model.lm.modules() if isinstance(m, Attention)]

@@ -13,7 +13,10 @@ checkpoint, and a ``family`` node) plus a :class:`Family` subclass holding only 
   a bad value is refused at load, naming the file, the field and the value);
 * zero inputs for compiling the tower at a bucket (:meth:`Family.dummy_media`) and, where a
   tower's input rows are whole items, those buckets (:meth:`Family.encoder_buckets`);
-* its tensor-parallel plan (:attr:`Family.tp_plan`, parameter-name patterns);
+* its tensor-parallel plan (:attr:`Family.tp_plan`, parameter-name patterns: the shared
+  components' :data:`TP_PLAN`, extended by the family with its own parts', :func:`extend_tp_plan`);
+* how many items of a modality a precomputed-embeddings file holds (:meth:`Family.embeds_items`:
+  the rows of its layout tensor, unless the family's items are of a fixed size);
 * its reference and its tiny test checkpoint (:attr:`Family.hf_class`, :attr:`Family.tiny_checkpoint`):
   the transformers class its checkpoints load into, and the ``mmzoo.fixtures`` builder of a tiny
   random one, from which the shared parity tests and the benchmark work (named, never imported
@@ -49,7 +52,9 @@ TEXT_FIELDS = frozenset(f.name for f in fields(Request)) - _ALL_MEDIA  # what ev
 # match wins), Megatron-LM's split: "colwise" splits a [out, in] weight's rows (and its bias),
 # "rowwise" its columns (bias replicated), "vocab" the embedding / LM head rows; "colwise_kv" is
 # colwise when the kv heads divide the model axis, else replicated (vLLM's kv-head replication).
-# Anything unmatched is replicated.
+# Anything unmatched is replicated. This plan names the shared components only (the shared
+# attention and MLP layers of every LM, ViT block and encoder; the LM's embedding and head); a
+# family adds the patterns of its own parts (its adapter's) with :func:`extend_tp_plan`.
 TP_PLAN = {
     "*.attn.q_proj.*": "colwise",
     "*.attn.k_proj.*": "colwise_kv",
@@ -62,13 +67,16 @@ TP_PLAN = {
     "*.mlp.down_proj.*": "rowwise",
     "*.mlp.fc1.*": "colwise",
     "*.mlp.fc2.*": "rowwise",
-    "towers.*.adapter.fc1.*": "colwise",   # Llava's projector (the shared MLP)
-    "towers.*.adapter.fc2.*": "rowwise",
-    "towers.*.adapter.mlp.0.*": "colwise",  # Qwen2-VL's patch merger
-    "towers.*.adapter.mlp.2.*": "rowwise",
     "lm.embed_tokens.weight": "vocab",
     "lm.lm_head.weight": "vocab",
 }
+
+
+def extend_tp_plan(own: dict[str, str], base: dict[str, str] = TP_PLAN) -> dict[str, str]:
+    """A family's tensor-parallel plan: its ``own`` patterns first (the first match wins, so they
+    decide for the parameters they name, even where a ``base`` pattern matches too), then ``base``'s
+    (:data:`TP_PLAN`, or a parent family's plan)."""
+    return {**own, **{pattern: style for pattern, style in base.items() if pattern not in own}}
 
 
 @dataclass
@@ -98,9 +106,9 @@ class Family:
 
     tower: ClassVar[str] = "vision"
     modalities: ClassVar[tuple[str, ...]] = ()
-    tp_plan: ClassVar[dict[str, str]] = TP_PLAN
+    tp_plan: ClassVar[dict[str, str]] = TP_PLAN  # the shared components'; a family adds its parts' (extend_tp_plan)
     hf_class: ClassVar[str] = ""  # e.g. "Qwen2VLForConditionalGeneration"
-    tiny_checkpoint: ClassVar[str] = ""  # e.g. "make_tiny_qwen2_vl" (a function of mmzoo.fixtures)
+    tiny_checkpoint: ClassVar[str] = ""  # e.g. "make_tiny_qwen2_vl": a function of mmzoo.fixtures, or a dotted path
     # config.json's sub-configs the family reads: transformers fills a missing one with defaults of
     # another size, so each must be in the file
     config_sections: ClassVar[tuple[str, ...]] = ()
@@ -145,6 +153,17 @@ class Family:
         """XLA buckets of the tower's input rows when its rows are whole items (images, clips);
         None: the executor's defaults (packed patches)."""
         return None
+
+    def embeds_items(self, tensors: dict, kind: str) -> int:
+        """How many ``kind`` items an embeddings file's ``tensors`` hold (``mmzoo.embeds_file``;
+        the server gives a request one placeholder per item): the rows of the ``kind``'s layout
+        tensor (``image_grid_thw``, ``audio_lengths``: one per item), 1 for ``{kind}_embeds``
+        without one, 0 when the file has no ``kind``. A family whose items have a fixed size and no
+        layout (Llava) counts the embedding rows instead."""
+        layout = MEDIA_FIELDS[kind][2]
+        if layout in tensors:
+            return int(tensors[layout].shape[0])
+        return int(f"{kind}_embeds" in tensors)
 
     # -- what the checkpoint must hold ----------------------------------------------------------
     @classmethod

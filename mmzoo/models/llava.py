@@ -24,7 +24,7 @@ from mmzoo.encoders import resolve_feature_layers
 from mmzoo.errors import MmzooError
 from mmzoo.models._embeds import as_embeds
 from mmzoo.models._media import load_images
-from mmzoo.models.family import Family, Media, lm_key
+from mmzoo.models.family import Family, Media, extend_tp_plan, lm_key
 from mmzoo.types import TowerInput
 
 _VIT_RENAMES = [
@@ -57,6 +57,8 @@ class Llava(Family):
     hf_class = "LlavaForConditionalGeneration"
     tiny_checkpoint = "make_tiny_llava"
     config_sections = ("text_config", "vision_config")
+    # the projector: the shared MLP under the adapter's own names (not *.mlp.*), split as the MLPs are
+    tp_plan = extend_tp_plan({"towers.*.adapter.fc1.*": "colwise", "towers.*.adapter.fc2.*": "rowwise"})
 
     def __init__(self, *, name: str, image_token_id: int, image_size: int, patch_size: int, in_channels: int,
                  select_strategy: str, num_layers: int, feature_layer: int | list[int]):
@@ -101,6 +103,13 @@ class Llava(Family):
                              f"[images * {per}, {hidden_size}]")
         return Media(counts=[per] * (emb.shape[0] // per),
                      calls=[TowerInput(tower=self.tower, inputs={}, num_embeds=emb.shape[0], embeds=emb)])
+
+    def embeds_items(self, tensors: dict, kind: str) -> int:
+        """Images: the rows of ``image_embeds`` over the tokens per image (there is no layout tensor:
+        every image gives the same rows)."""
+        if kind == "image" and "image_embeds" in tensors:
+            return int(tensors["image_embeds"].shape[0]) // self.tokens_per_image
+        return super().embeds_items(tensors, kind)
 
     def convert_weights(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """transformers' keys (v5 ``model.vision_tower.* / model.multi_modal_projector.* /

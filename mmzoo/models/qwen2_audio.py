@@ -50,6 +50,7 @@ class Qwen2Audio(Family):
     hf_class = "Qwen2AudioForConditionalGeneration"
     tiny_checkpoint = "make_tiny_qwen2_audio"
     config_sections = ("text_config", "audio_config")
+    # tp_plan: the shared one (Family's); the projector, one linear to the LM's width, stays replicated
 
     def __init__(self, *, name: str, audio_token_id: int, num_mel_bins: int, max_positions: int, pool_stride: int):
         super().__init__(name=name)

@@ -17,7 +17,7 @@ from mmzoo.encoders import frame_segments, patch_positions
 from mmzoo.errors import MmzooError
 from mmzoo.models._embeds import as_embeds, as_grid
 from mmzoo.models._media import load_images, load_videos
-from mmzoo.models.family import Family, Media, lm_key
+from mmzoo.models.family import Family, Media, extend_tp_plan, lm_key
 from mmzoo.types import TowerInput
 
 
@@ -42,6 +42,8 @@ class Qwen2VL(Family):
     hf_class = "Qwen2VLForConditionalGeneration"
     tiny_checkpoint = "make_tiny_qwen2_vl"
     config_sections = ("vision_config",)
+    # the patch merger's two linears (mlp.1 is its GELU), Megatron's pair like the shared MLPs
+    tp_plan = extend_tp_plan({"towers.*.adapter.mlp.0.*": "colwise", "towers.*.adapter.mlp.2.*": "rowwise"})
 
     def __init__(self, *, name: str, image_token_id: int, video_token_id: int, merge_size: int, in_channels: int,
                  temporal_patch_size: int, patch_size: int, mrope: bool = True):

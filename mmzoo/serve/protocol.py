@@ -328,7 +328,7 @@ def chat_request(body: ChatCompletionRequest, media: MediaSource, family) -> tup
         if images or audios:
             raise BadRequest("a request gives media parts or an mmzoo_embeds file, not both", "messages")
         # the file's items: one placeholder part per item, in place of the single embeds part
-        messages = _expand_embeds_parts(messages, embeds, getattr(family, "tokens_per_image", None))
+        messages = _expand_embeds_parts(messages, embeds, family)
     out: dict[str, Any] = {"messages": messages, **body.request_fields()}
     if images:
         out["images"] = images
@@ -339,13 +339,13 @@ def chat_request(body: ChatCompletionRequest, media: MediaSource, family) -> tup
     return out, names
 
 
-def _expand_embeds_parts(messages: list[dict], path: str, tokens_per_image: int | None) -> list[dict]:
-    """Replace the one embeds part by one media part per item the file holds (its grid / lengths
-    rows; a fixed-size image tower's rows / tokens per image)."""
+def _expand_embeds_parts(messages: list[dict], path: str, family) -> list[dict]:
+    """Replace the one embeds part by one media part per item the file holds (the family counts
+    them: :meth:`~mmzoo.models.Family.embeds_items`)."""
     from mmzoo import embeds_file
 
     tensors, _ = embeds_file.read(path)
-    counts = {"image": _items(tensors, "image", tokens_per_image), "audio": _items(tensors, "audio", None)}
+    counts = {kind: family.embeds_items(tensors, kind) for kind in ("image", "audio")}
     out = []
     for msg in messages:
         content = msg["content"]
@@ -360,12 +360,3 @@ def _expand_embeds_parts(messages: list[dict], path: str, tokens_per_image: int 
             msg = {**msg, "content": new}
         out.append(msg)
     return out
-
-
-def _items(tensors: dict, kind: str, per_item: int | None) -> int:
-    for layout in (f"{kind}_grid_thw", f"{kind}_lengths"):
-        if layout in tensors:
-            return int(tensors[layout].shape[0])
-    if f"{kind}_embeds" in tensors:
-        return int(tensors[f"{kind}_embeds"].shape[0]) // per_item if per_item else 1
-    return 0

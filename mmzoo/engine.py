@@ -30,6 +30,7 @@ from mmzoo import _weights
 from mmzoo import config as _config
 from mmzoo import embeds_file
 from mmzoo.config import instantiate_part, read_config
+from mmzoo.encoders import Encoder
 from mmzoo.errors import MmzooError
 from mmzoo.executor import Drain, Executor
 from mmzoo.limits import Limits, check_request, prompt_chars_bound
@@ -354,6 +355,9 @@ def build_model(cfg: DictConfig, *, attention=None, towers: bool = True, empty: 
             uses_pipeline = "attention" in node and node.attention is cfg.get("attention")
             kwargs = {"attention": attention} if attention is not None and uses_pipeline else {}
             parts[name] = instantiate_part(node, f"model.{name}", **kwargs)
+    if towers and not isinstance(parts["encoder"], Encoder):  # the contract the executor reads (rows, rotary input)
+        raise MmzooError(f"model.encoder builds a {type(parts['encoder']).__name__}, not an mmzoo.encoders.Encoder "
+                         f"(derive it from Encoder: the executor reads its rows_per_item and rotary_input)")
     lm = parts["lm"]
     axes = lm.rotary.num_axes
     if family.position_axes != axes:

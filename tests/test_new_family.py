@@ -241,3 +241,8 @@ def test_embeds_items_counts_its_own_embeddings_files(request, tiny_checkpoints,
         assert engine.family.embeds_items(tensors, kind) == n
         assert all(engine.family.embeds_items(tensors, other) == 0 for other in ("image", "video", "audio")
                    if other != kind)
+
+
+def test_an_encoder_outside_the_contract_is_refused_at_build():
+    with pytest.raises(MmzooError, match=r"model\.encoder builds a Identity, not an mmzoo\.encoders\.Encoder"):
+        mmzoo.load(None, executor="eager", overrides=["model.encoder._target_=torch.nn.Identity"])

@@ -2,8 +2,10 @@
 ids equal the processor's, prefill logits are allclose (fp32, atol 1e-4) and 16 greedy tokens are
 identical (EOS off on both sides), on both executors and every attention backend in conf/attention/.
 
-Adding a family = one ``Case`` here (its tiny checkpoint fixture, its media, the item counts); the
-transformers class is the family's own declaration (``Family.hf_class``).
+Every conf/model family is checked: by its ``Case`` below when it has one (its tiny checkpoint
+fixture, its media, the item counts, XLA options), else by the default case (:func:`_case`: its
+declared tiny checkpoint, 0 and 1 items of its media); the transformers class is the family's own
+declaration (``Family.hf_class``).
 The item counts make the XLA tower pad (e.g. 3 images in a bucket of 4).
 """
 
@@ -45,10 +47,28 @@ CASES = {
 _REFS: dict = {}
 
 
+def _case(family: str) -> Case:
+    """``family``'s row of CASES, or for a family without one the default: 0 and 1 items of its
+    media (the first it takes) on each executor, its tiny checkpoint from ``tiny_checkpoints``."""
+    if family in CASES:
+        return CASES[family]
+    from mmzoo.fixtures import families
+
+    kind = families()[family].media
+    return Case("tiny_checkpoints", f"{kind}_files", kind, {"eager": [0, 1], "xla": [1]}, "What is this?",
+                {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2})
+
+
+def _inputs(request, family: str, case: Case):
+    """The case's checkpoint directory and media files."""
+    ckpt = request.getfixturevalue(case.checkpoint)
+    return (ckpt[family] if case.checkpoint == "tiny_checkpoints" else ckpt), request.getfixturevalue(case.files)
+
+
 def _reference(request, family: str) -> dict:
-    case = CASES[family]
+    case = _case(family)
     if family not in _REFS:
-        ckpt, files = request.getfixturevalue(case.checkpoint), request.getfixturevalue(case.files)
+        ckpt, files = _inputs(request, family, case)
         counts = sorted({n for c in case.counts.values() for n in c})
         hf_class = config.family_class(family).hf_class  # the family's declared reference
         _REFS[family] = parity.reference(ckpt, hf_class, case.kind, files, counts, case.prompt)
@@ -56,12 +76,12 @@ def _reference(request, family: str) -> dict:
 
 
 @pytest.mark.parametrize("family,executor,attention,n", [
-    (f, e, b, n) for f, case in CASES.items() for e in ("eager", "xla") for b in config.options("attention")
-    for n in case.counts[e]])
+    (f, e, b, n) for f in config.options("model") for e in ("eager", "xla") for b in config.options("attention")
+    for n in _case(f).counts[e]])
 def test_matches_transformers(request, family, executor, attention, n):
-    case = CASES[family]
+    case = _case(family)
     ref = _reference(request, family)[n]
-    ckpt, files = request.getfixturevalue(case.checkpoint), request.getfixturevalue(case.files)
+    ckpt, files = _inputs(request, family, case)
     engine = parity.engine(ckpt, executor, attention, **case.xla)
     assert engine.name == family
     text = case.prompt[n] if isinstance(case.prompt, dict) else case.prompt

@@ -147,3 +147,29 @@ def test_limits_config_is_checked():
                         ({"max_prompt_chars": "many"}, "or auto"), ({"max_media_pixel": 5}, "unknown field")):
         with pytest.raises(MmzooError, match=needle):
             Limits.from_config(bad)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_strict_fields(client, path):
+    """A field the server does not know is a 400 naming it (a misspelling must not quietly change
+    the output); OpenAI's fields that do not change the output are accepted and ignored."""
+    from mmzoo.serve.protocol import Sampling
+
+    body = _chat("What is this?", return_token_ids=True) if "chat" in path else \
+        {"model": "tiny", "prompt": "What is this?", "temperature": 0, "max_tokens": 4, "return_token_ids": True}
+    want = client.post(path, json=body)
+    assert want.status_code == 200, want.text
+    for field, value in (("temprature", 0), ("guided_choice", ["a", "b"]), ("prompt_logprobs", 1),
+                         ("use_beam_search", False)):
+        r = client.post(path, json={**body, field: value})
+        assert r.status_code == 400 and _error(r)["param"] == field, r.text
+        assert f"{field}: unknown field" in _error(r)["message"]
+    ignored = {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "k",
+               "safety_identifier": "s", "parallel_tool_calls": True, "frequency_penalty": 0, "logprobs": False}
+    assert set(Sampling.IGNORED) <= set(ignored)
+    r = client.post(path, json={**body, **ignored})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
+    ids = want.json()["choices"][0]["token_ids"]
+    r = client.post(path, json={**body, "stop_token_ids": [ids[1]]})  # vLLM's extension: stop at it, inclusive
+    assert r.json()["choices"][0]["token_ids"] == ids[:ids.index(ids[1]) + 1]

@@ -199,7 +199,14 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         errors = exc.errors()
         first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
         param = _loc(tuple(first.get("loc", ())))
-        msg = "; ".join(f"{_loc(tuple(e.get('loc', ())))}: {e.get('msg')}" for e in errors[:3])
+
+        def say(e: dict) -> str:
+            where = _loc(tuple(e.get("loc", ())))
+            if e.get("type") == "extra_forbidden":  # strict: a misspelling quietly ignored would change the output
+                return f"{where}: unknown field (the fields mmzoo takes: docs/server.md)"
+            return f"{where}: {e.get('msg')}"
+
+        msg = "; ".join(say(e) for e in errors[:3])
         return JSONResponse(_error_body(msg, param), status_code=400)
 
     def check_model(name: str) -> None:

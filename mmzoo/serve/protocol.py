@@ -15,7 +15,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -81,10 +81,12 @@ class StreamOptions(BaseModel):
 
 
 class Sampling(BaseModel):
-    """The fields both endpoints share. Fields OpenAI defines that mmzoo does not implement are
-    refused when set to anything but their neutral value (:meth:`refuse_unsupported`)."""
+    """The fields both endpoints share. Strict: a field the schema does not know (a misspelling, an
+    extension of another server) is refused, naming it. OpenAI's fields that do not change the
+    output (``user``, ``metadata``, ``store``, ...) are accepted and ignored; those mmzoo does not
+    implement are refused when set to anything but their neutral value (:meth:`refuse_unsupported`)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -99,17 +101,38 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension
     return_token_ids: bool = False  # vLLM's extension: the generated token ids in each choice
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's extension
+    # accepted and ignored: they do not change the output (IGNORED)
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None
+    # not implemented: refused unless neutral (_NEUTRAL)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
 
-    _NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": None,
-                "tools": None, "tool_choice": None, "logit_bias": None, "best_of": None, "echo": False,
-                "suffix": None, "response_format": None}
+    IGNORED: ClassVar[tuple[str, ...]] = ("user", "metadata", "store", "service_tier", "prompt_cache_key",
+                                          "safety_identifier", "parallel_tool_calls")
+    _NEUTRAL: ClassVar[dict[str, Any]] = {
+        "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": None, "tools": None,
+        "tool_choice": None, "logit_bias": None, "best_of": None, "echo": False, "suffix": None,
+        "response_format": None}
 
     def refuse_unsupported(self) -> None:
         if self.n != 1:
             raise BadRequest(f"n={self.n}: mmzoo returns one choice per request (n=1)", "n")
-        for name, value in (self.model_extra or {}).items():
-            if name in self._NEUTRAL and value not in (self._NEUTRAL[name], None):
+        for name in self._NEUTRAL:
+            value = getattr(self, name, None)
+            if value not in (self._NEUTRAL[name], None):
                 if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
                     continue
                 raise BadRequest(f"{name}={value!r} is not supported by mmzoo", name)
@@ -133,6 +156,8 @@ class Sampling(BaseModel):
             out["top_k"] = self.top_k
         if self.seed is not None:
             out["seed"] = self.seed
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
         return out
 
     @property
@@ -146,6 +171,9 @@ class ChatCompletionRequest(Sampling):
 
 class CompletionRequest(Sampling):
     prompt: str | list[int]
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
 
 
 # ----------------------------------------------------------------------------------- responses

@@ -2,8 +2,7 @@
 
 ``nn.Linear`` keeps its weight as ``[out, in]``. XLA's CPU dot emitter wants the matrix of a
 ``x @ W.T`` product as ``W.T`` in row-major order, so it materializes that transpose (a full copy
-of every weight) inside each step's graph, which dominated a batch-1 decode step
-(docs/benchmarks.md). Holding each linear weight as its transpose ``[in, out]`` (with ``weight`` a
+of every weight) inside each step's graph, which dominated a batch-1 decode step. Holding each linear weight as its transpose ``[in, out]`` (with ``weight`` a
 transposed view of it) removes them.
 The modules are unchanged; only the stored tensor is.
 

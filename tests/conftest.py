@@ -6,11 +6,6 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")  # before anything imports torch_xla
-# A test worker builds hundreds of engines in one process, and every XLA:CPU executable in torch_xla's
-# compilation cache holds about 100-260 memory maps (its kernels' code and data, measured on the test
-# models); past the kernel's vm.max_map_count (65530) the next compile segfaults inside LLVM. 160
-# cached graphs keep a worker near 40k maps; one engine needs at most ~50 graphs at a time.
-os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", "160")
 
 import pytest  # noqa: E402
 

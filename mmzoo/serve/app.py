@@ -230,8 +230,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         token past a stop string's end is never yielded), then ``("", None, (finish_reason,
         prompt_tokens, generated token ids))`` as the last item; a client that goes away cancels
         the sequence."""
-        if loop_.draining:
-            raise ShuttingDown("the server is shutting down; it takes no new requests")
+        check_open()  # again: the drain may have begun while the request was prepared
         stream = loop_.submit(prepared, asyncio.get_running_loop())
         text = TextStream(engine.decode, stops)
         finished = False

@@ -32,7 +32,7 @@ from mmzoo import embeds_file
 from mmzoo.config import instantiate_part, read_config
 from mmzoo.encoders import Encoder
 from mmzoo.errors import MmzooError
-from mmzoo.executor import Drain, Executor
+from mmzoo.executor import Drain, Executor, generate
 from mmzoo.limits import Limits, check_request, prompt_chars_bound
 from mmzoo.models import Family, MultimodalLM, Tower
 from mmzoo.types import DTYPES, Prepared, Request, Result
@@ -229,7 +229,7 @@ class Engine:
                 if i in failed and on_result:
                     on_result(failed[i])
             self.executor.warm_for(prepared, self._dummy_media())
-            ran = iter(self.executor.generate(prepared, decode_text=self.decode, on_result=on_result, stop=stop))
+            ran = iter(generate(self.executor, prepared, decode_text=self.decode, on_result=on_result, stop=stop))
             results = [failed[i] if i in failed else next(ran) for i in range(len(reqs))]
         if single and results[0].error:
             raise MmzooError(results[0].error)
@@ -367,11 +367,23 @@ def build_model(cfg: DictConfig, *, attention=None, towers: bool = True, empty: 
     return family, MultimodalLM(lm=lm, towers=tower)
 
 
+def memory_plan(exe: Executor, model: MultimodalLM, dtype: str) -> dict[str, int]:
+    """Bytes ``exe.setup`` will allocate for ``model`` (built, parameters possibly on the meta
+    device; ``exe`` resolved) in ``dtype``: ``weights`` (as the executor lays them out),
+    ``kv_cache``, ``media``."""
+    size = DTYPES[dtype].itemsize
+    lm = model.lm
+    weights = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in model.parameters())
+    weights += exe.layout_extra_params(model) * size
+    kv = 2 * lm.num_layers * exe.max_batch * lm.num_kv_heads * exe.max_model_len * lm.head_dim * size
+    return {"weights": weights, "kv_cache": kv, "media": exe.buckets.media_rows * lm.dim * size}
+
+
 def check_memory(exe: Executor, model: MultimodalLM, dtype: str, *, verbose: bool = False) -> dict[str, int]:
-    """The memory ``exe.setup`` will allocate for ``model`` in ``dtype`` (:meth:`Executor.memory_plan`),
+    """The memory ``exe.setup`` will allocate for ``model`` in ``dtype`` (:func:`memory_plan`),
     printed when ``verbose``; a plan larger than the memory available to the executor's device is
     refused before anything is allocated, naming what to lower."""
-    plan = exe.memory_plan(model, dtype)
+    plan = memory_plan(exe, model, dtype)
     need = sum(plan.values())
     free = exe.memory_available()
     kv = (f"KV cache {_gb(plan['kv_cache'])} (max_batch={exe.max_batch} x max_model_len={exe.max_model_len} "
@@ -504,16 +516,15 @@ def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, 
         fingerprint = _random_fingerprint(cfg)
         print(f"mmzoo: weights=random: the modules keep their seeded random init (init_seed="
               f"{cfg.get('init_seed', 0)}); {checkpoint} gives only the config, tokenizer and processor", file=sys.stderr)
-    for tower in model.towers:  # towers whose rows are whole items: the executor config wins
-        sizes = family.encoder_buckets(max_model_len=exe.max_model_len, max_media_rows=exe.max_media_rows())
-        if sizes is not None:
-            exe.encoder_buckets.setdefault(tower, sorted(int(n) for n in sizes))
-    check_memory(exe, model, dtype, verbose=verbose)
     mesh = mesh_option(cfg.get("mesh"))
     if mesh is not None and mesh.spmd:  # validated against the modules before anything is placed
         exe.use_mesh(mesh, model, plan=family.tp_plan)
         if verbose:
             print(f"mmzoo: {exe.sharding.describe()}", file=sys.stderr)
+    exe.resolve(model, family)  # every size policy and auto option, decided once
+    if verbose:
+        print(f"mmzoo: executor: {exe.resolved()}", file=sys.stderr)
+    check_memory(exe, model, dtype, verbose=verbose)
     t0 = time.perf_counter()
     report = _LoadReport(checkpoint if weights == "checkpoint" else None, verbose)
     exe.setup(model, dtype=dtype, eos_token_ids=eos, take_ownership=True,  # built for this executor alone
@@ -533,7 +544,7 @@ def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, 
 def load(checkpoint: str | Path | None = None, *, model: str | None = None, executor: str | Executor = "xla",
          attention: str | Any = "sdpa", dtype: str = "float32", towers: bool = True,
          allow_fingerprint_mismatch: bool = False, verbose: bool = False, mesh=None, config_dir=None,
-         overrides: list[str] | tuple = (), **executor_kwargs) -> Engine:
+         warmup: str | bool = "all", overrides: list[str] | tuple = (), **executor_kwargs) -> Engine:
     """Load a Hugging Face checkpoint directory into an :class:`Engine`.
 
     The pipeline is composed from the same config tree as ``python -m mmzoo.infer`` (the zoo's
@@ -554,14 +565,18 @@ def load(checkpoint: str | Path | None = None, *, model: str | None = None, exec
             ``conf/mesh`` name (``"tp"``, ``"dp_tp"``), ``{"data": d, "model": m}`` or a
             :class:`~mmzoo.executor.MeshSpec`; None or ``"single"``: one device, no SPMD.
         config_dir: a directory (or list) of the user's own configs, searched with mmzoo's.
+        warmup: when the XLA executor compiles (``executor.compile.warmup``): ``"all"``, every
+            bucket at load, as a server; ``"needed"``, before each ``generate``, only the graphs
+            its requests hit; ``"none"``.
         overrides: more Hydra overrides (``"model.lm.num_layers=2"``, ``"weights=random"``).
-        executor_kwargs: overrides of the executor config (``max_model_len=``, ``max_batch=``, ...);
-            ``warmup="needed"`` compiles, before each ``generate``, only the graphs its requests hit
-            (the default here is ``"all"``: every bucket at load, as a server).
+        executor_kwargs: overrides of the executor config: ``max_model_len=``, ``max_batch=``, and
+            the XLA executor's groups as dicts (``buckets={"prefill": [64, 128]}``,
+            ``layout={"transpose_keys": False}``, ``compile={"on_recompile": "error"}``;
+            ``conf/executor/xla.yaml``).
     """
     from mmzoo.executor import MeshSpec
 
-    args = ["warmup=all", *overrides]  # a loaded engine is ready for any request (warmup="needed": per call)
+    args = list(overrides)
     if model is not None:
         args.append(f"model={model}")
     if isinstance(attention, str):
@@ -570,7 +585,7 @@ def load(checkpoint: str | Path | None = None, *, model: str | None = None, exec
         args.append(f"executor={executor}")
     if isinstance(mesh, str):
         args.append(f"mesh={mesh}")
-    values: dict[str, Any] = {"dtype": dtype}
+    values: dict[str, Any] = {"dtype": dtype, "warmup": warmup}
     if checkpoint is not None:
         values["checkpoint"] = str(checkpoint)
     if executor_kwargs:

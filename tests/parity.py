@@ -8,12 +8,14 @@ the executors, XLA options and generation settings the family files share.
 
 from __future__ import annotations
 
+import json
+
 import mmzoo
 
 EXECUTORS = ("eager", "xla")
 # XLA options of the families whose tower rows are whole items (Llava's images, Qwen2-Audio's clips):
 # one 64-row encoder bucket, two slots, graphs compiled on first use
-XLA = {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2}
+XLA = {"progress": False, "warmup": False, "buckets": {"min_encoder_rows": 64, "max_encoder_rows": 64}, "max_batch": 2}
 GEN = {"max_new_tokens": 16, "ignore_eos": True}  # 16 greedy tokens, EOS off as in :func:`reference`
 
 _ENGINES: dict = {}
@@ -21,7 +23,7 @@ _ENGINES: dict = {}
 
 def engine(ckpt, executor: str, attention: str = "sdpa", **xla):
     """One engine per (checkpoint, executor, backend, options), built on first use."""
-    key = (str(ckpt), executor, attention, tuple(sorted(xla.items())) if executor == "xla" else ())
+    key = (str(ckpt), executor, attention, json.dumps(xla, sort_keys=True) if executor == "xla" else "")
     if key not in _ENGINES:
         _ENGINES[key] = mmzoo.load(ckpt, executor=executor, attention=attention, max_model_len=256,
                                    **(xla if executor == "xla" else {}))

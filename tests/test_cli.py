@@ -21,8 +21,8 @@ def infer(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 # few buckets: warmup compiles 8 graphs instead of the default config's 40-odd
-SMALL_XLA = ["executor.max_model_len=128", "executor.min_prefill=64", "executor.min_encoder_rows=64",
-             "executor.max_encoder_rows=64", "executor.max_batch=1"]
+SMALL_XLA = ["executor.max_model_len=128", "executor.buckets.min_prefill=64", "executor.buckets.min_encoder_rows=64",
+             "executor.buckets.max_encoder_rows=64", "executor.max_batch=1"]
 
 
 def test_cli_contract_xla(qwen2_vl_ckpt, image_files, tmp_path):

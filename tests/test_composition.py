@@ -18,8 +18,8 @@ from mmzoo.engine import backends_of
 from mmzoo.errors import MmzooError
 
 GEN = {"max_new_tokens": 6, "ignore_eos": True}
-XLA_SMALL = {"progress": False, "warmup": False, "max_model_len": 128, "max_batch": 1, "prefill_buckets": [128],
-             "min_encoder_rows": 256, "max_encoder_rows": 256, "decode_kv_buckets": [128]}
+XLA_SMALL = {"progress": False, "compile": {"warmup": False}, "max_model_len": 128, "max_batch": 1,
+             "buckets": {"prefill": [128], "min_encoder_rows": 256, "max_encoder_rows": 256, "decode_kv": [128]}}
 
 
 def infer(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -26,8 +26,8 @@ MIN_ACCURACY = {"shape": 0.95, "color": 0.95, "count": 0.90}
 GEN = {"max_new_tokens": 4}  # a one-word answer and <|im_end|>
 # buckets that fit every mmzoo.shapes prompt: at most 100 patches (140 x 140 px), 25 image tokens,
 # about 45 tokens in all; precomputed embeddings are written 32 rows at a time
-XLA_SMALL = dict(max_model_len=64, prefill_buckets=[64], max_batch=8, encoder_buckets={"vision": [100]},
-                 min_encoder_rows=32, max_encoder_rows=32, progress=False, warmup="needed", on_recompile="error")
+XLA_SMALL = dict(max_model_len=64, max_batch=8, progress=False, warmup="needed", compile={"on_recompile": "error"},
+                 buckets={"prefill": [64], "encoder": {"vision": [100]}, "min_encoder_rows": 32, "max_encoder_rows": 32})
 
 
 @pytest.fixture(scope="module")

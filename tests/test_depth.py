@@ -31,8 +31,8 @@ WIDTH = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "vision_embed_di
 PROMPTS = {0: "Tell me a story.", 2: "Describe both images."}
 # graphs compiled on first use, in one 64-token prefill bucket and one 64-patch tower bucket (the two
 # images are 24 + 32 patches): the file's time is mostly XLA compiling each graph once per backend
-XLA = {"progress": False, "warmup": False, "prefill_buckets": (64,), "min_encoder_rows": 64,
-       "max_encoder_rows": 64, "max_batch": 2}
+XLA = {"progress": False, "warmup": False, "max_batch": 2,
+       "buckets": {"prefill": [64], "min_encoder_rows": 64, "max_encoder_rows": 64}}
 ATOL = 1e-4  # fp32, as tests/test_parity.py
 
 

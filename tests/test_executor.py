@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import mmzoo
+from mmzoo.backends import SDPAAttention
+from mmzoo.executor.options import BucketSpec
 from mmzoo.executor.xla import RecompileError
 from mmzoo.fixtures import make_image
 from mmzoo.types import Request
 
-SMALL = dict(max_model_len=128, min_prefill=32, min_decode_kv=32, encoder_buckets={"vision": [64, 256]},
-             progress=False)
+BUCKETS = {"min_prefill": 32, "min_decode_kv": 32, "encoder": {"vision": [64, 256]}}
+SMALL = dict(max_model_len=128, buckets=BUCKETS, progress=False)
+
+
+def _resolve(spec, *, max_batch: int, max_model_len: int = 128):
+    """``spec``'s buckets for a text-only model with matmul attention on the XLA CPU client."""
+    return spec.resolve(max_model_len=max_model_len, max_batch=max_batch, max_prefill_tokens=max_model_len, towers={},
+                        lm_backends=[SDPAAttention()], cpu_alone=True, mesh=False)
 
 
 @pytest.fixture(scope="module")
 def xla_engine(qwen2_vl_ckpt):
-    return mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, on_recompile="warn", **SMALL)
+    return mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, **SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -55,22 +65,24 @@ def test_decode_attends_over_the_smallest_cache_bucket_holding_the_batch(xla_eng
     sequence: the mixed workload runs at several buckets, each step's bucket holds every active
     sequence, and the tokens equal eager's (which always reads the whole cache)."""
     exe = xla_engine.executor
-    assert exe.decode_kv_buckets == [32, 64, 128]
-    picked, decode_inputs = [], exe.decode_inputs
+    from mmzoo.executor import loop
 
-    def recording(active, *args, **kwargs):
-        inputs = decode_inputs(active, *args, **kwargs)
+    assert exe.buckets.decode_kv == (32, 64, 128)
+    picked, decode_inputs = [], loop.decode_inputs
+
+    def recording(buckets, active, *args, **kwargs):
+        inputs = decode_inputs(buckets, active, *args, **kwargs)
         picked.append((max(seq.length for seq in active.values()) + 1, inputs.kv_len))
         return inputs
 
-    monkeypatch.setattr(exe, "decode_inputs", recording)
+    monkeypatch.setattr(loop, "decode_inputs", recording)
     greedy = [dict(r, temperature=0.0, max_new_tokens=12) for r in workload(image_files)]
     assert [r.token_ids for r in xla_engine.generate(greedy)] == [r.token_ids for r in eager_engine.generate(greedy)]
     assert len({kv for _, kv in picked}) >= 2, picked  # sequences grew across a bucket boundary
     assert all(n <= kv and (kv == 32 or n > kv // 2) for n, kv in picked), picked
-    with pytest.raises(ValueError, match="decode_kv_buckets"):
-        mmzoo.executor.XLAExecutor(max_model_len=128, decode_kv_buckets=[64, 256])
-    assert mmzoo.executor.XLAExecutor(max_model_len=128, decode_kv_buckets=[64])._kv_buckets == [64, 128]
+    with pytest.raises(ValueError, match=r"executor.buckets.decode_kv=\[64, 256\] must lie in \[1, max_model_len=128\]"):
+        mmzoo.executor.XLAExecutor(max_model_len=128, buckets={"decode_kv": [64, 256]})
+    assert _resolve(BucketSpec(decode_kv=[64]), max_batch=1).decode_kv == (64, 128)
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(eager_engine, image_files):
@@ -130,14 +142,14 @@ def test_bad_requests_fail_alone(xla_engine, image_files):
 
 
 def test_guard_raises_on_a_new_shape(qwen2_vl_ckpt):
-    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=1, on_recompile="error",
-                        max_model_len=64, min_prefill=64, encoder_buckets={"vision": [64]}, progress=False)
+    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=1, compile={"on_recompile": "error"},
+                        max_model_len=64, buckets={"min_prefill": 64, "encoder": {"vision": [64]}}, progress=False)
     engine.generate("hello", max_new_tokens=2)  # warmed-up shapes: fine
     # torch_xla's compile counter is process-wide: another engine warming up in this process
     # compiles graphs, which are not this engine's and must not trip its guard
     before = engine.executor.compiled_graphs()
-    other = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=1, on_recompile="error",
-                       max_model_len=32, min_prefill=32, encoder_buckets={"vision": [64]}, progress=False)
+    other = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=1, compile={"on_recompile": "error"},
+                       max_model_len=32, buckets={"min_prefill": 32, "encoder": {"vision": [64]}}, progress=False)
     assert other.executor.compiled_graphs() > before
     assert engine.generate("hello", max_new_tokens=2).graphs_compiled_after_warmup == 0
     assert other.generate("hi", max_new_tokens=2).graphs_compiled_after_warmup == 0
@@ -151,7 +163,7 @@ def test_guard_raises_on_a_new_shape(qwen2_vl_ckpt):
 @pytest.mark.parametrize("executor", ["eager", "xla"])
 def test_bfloat16(qwen2_vl_ckpt, image_files, executor):
     """bfloat16 weights and activations: logits stay close to float32 and generation runs."""
-    kw = dict(max_model_len=128, **({"encoder_buckets": {"vision": [64]}, "min_prefill": 64, "warmup": False,
+    kw = dict(max_model_len=128, **({"buckets": {"encoder": {"vision": [64]}, "min_prefill": 64}, "warmup": False,
                                       "progress": False} if executor == "xla" else {}))
     req = mmzoo.Request(prompt="What shape is this?", images=image_files[:1])
     ref = mmzoo.load(qwen2_vl_ckpt, executor="eager", max_model_len=128)
@@ -174,7 +186,7 @@ def test_linear_weights_held_transposed_on_xla_cpu(xla_engine, qwen2_vl_ckpt, im
     assert head.parametrizations.weight.original.shape == (head.in_features, head.out_features)
     assert head.weight.shape == (head.out_features, head.in_features)
     plain = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, warmup=False,
-                       transpose_weights=False, **SMALL)
+                       layout={"transpose_weights": False}, **SMALL)
     assert not any(parametrize.is_parametrized(m) for m in plain.model.modules())
     req = mmzoo.Request(prompt="Describe.", images=image_files[:1], max_new_tokens=6, ignore_eos=True)
     prepared = xla_engine.prepare(req)
@@ -195,7 +207,7 @@ def test_projections_fused_on_xla_cpu(xla_engine, qwen2_vl_ckpt, image_files):
     lm_attn = xla_engine.model.lm.layers[0].attn
     assert lm_attn.qkv_proj.out_features == (lm_attn.num_heads + 2 * lm_attn.num_kv_heads) * lm_attn.head_dim
     separate = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, warmup=False,
-                          fuse_projections=False, **SMALL)
+                          layout={"fuse_projections": False}, **SMALL)
     assert all(m.qkv_proj is None for m in separate.model.modules() if isinstance(m, Attention))
     req = mmzoo.Request(prompt="Describe.", images=image_files[:2], max_new_tokens=6, ignore_eos=True)
     prepared = xla_engine.prepare(req)
@@ -203,8 +215,8 @@ def test_projections_fused_on_xla_cpu(xla_engine, qwen2_vl_ckpt, image_files):
                                separate.executor.prompt_logits(prepared), rtol=0, atol=1e-4, check_dtype=False)
     reqs = workload(image_files)
     assert [r.token_ids for r in xla_engine.generate(reqs)] == [r.token_ids for r in separate.generate(reqs)]
-    with pytest.raises(ValueError, match="fuse_projections"):
-        mmzoo.executor.XLAExecutor(fuse_projections="yes")
+    with pytest.raises(ValueError, match="executor.layout.fuse_projections='yes': choose auto, true or false"):
+        mmzoo.executor.XLAExecutor(layout={"fuse_projections": "yes"})
 
 
 def test_rotary_table_rows_equal_the_computed_ones():
@@ -230,16 +242,14 @@ def test_rotary_tabulated_on_xla(xla_engine, qwen2_vl_ckpt, image_files):
     and of the vision tower (its largest input-row bucket) from tables (rotary_table); logits and
     tokens equal the computed rotary's, and a sequence or an image whose positions would pass a
     table is refused where it enters, naming the position."""
-    import dataclasses
-
     import numpy as np
 
     from mmzoo.errors import MmzooError
 
     assert xla_engine.model.lm.rotary.positions == SMALL["max_model_len"]
-    assert xla_engine.model.towers["vision"].encoder.rotary.positions == SMALL["encoder_buckets"]["vision"][-1]
+    assert xla_engine.model.towers["vision"].encoder.rotary.positions == BUCKETS["encoder"]["vision"][-1]
     computed = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, warmup=False,
-                          rotary_table=False, **SMALL)
+                          layout={"rotary_table": False}, **SMALL)
     assert computed.model.lm.rotary.positions is None
     req = mmzoo.Request(prompt="Describe.", images=image_files[:1], max_new_tokens=6, ignore_eos=True)
     prepared = xla_engine.prepare(req)
@@ -257,8 +267,8 @@ def test_rotary_tabulated_on_xla(xla_engine, qwen2_vl_ckpt, image_files):
     far = dataclasses.replace(image, inputs={**image.inputs, "patch_pos": image.inputs["patch_pos"] + 256})
     with pytest.raises(MmzooError, match=r"vision rotary position \d+ \(patch_pos\) is past the 256 positions"):
         xla_engine.executor.encode(far)
-    with pytest.raises(ValueError, match="rotary_table"):
-        mmzoo.executor.XLAExecutor(rotary_table="yes")
+    with pytest.raises(ValueError, match="executor.layout.rotary_table"):
+        mmzoo.executor.XLAExecutor(layout={"rotary_table": "yes"})
 
 
 def test_executor_leaves_the_callers_module_as_it_was(qwen2_vl_ckpt, image_files):
@@ -270,7 +280,7 @@ def test_executor_leaves_the_callers_module_as_it_was(qwen2_vl_ckpt, image_files
     cfg = mmzoo.compose(["model.encoder.attention=pallas"], values={"checkpoint": str(qwen2_vl_ckpt)})
     _, model = build_model(cfg)  # a Pallas backend (it holds JAX entry points) is shared by the copy, not copied
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    exe = XLAExecutor(max_model_len=64, max_batch=1, warmup=False, prefill_buckets=[64], progress=False)
+    exe = XLAExecutor(max_model_len=64, max_batch=1, buckets={"prefill": [64]}, compile={"warmup": False}, progress=False)
     exe.setup(model)
     assert exe.model is not model and exe.model.lm.layers[0].attn.qkv_proj is not None  # fused, in its copy
     after = model.state_dict()
@@ -341,15 +351,15 @@ def test_steps_replay_their_compiled_graphs(xla_engine, qwen2_vl_ckpt, image_fil
     exe = xla_engine.executor
     kinds = {key[0] for key in exe._replays}
     assert kinds == {"encode", "embeds", "prefill", "head", "decode"}, exe._replays.keys()
-    assert exe.decode_batch_buckets == [1, 3]  # auto on the XLA CPU client: one row, or every slot
+    assert exe.buckets.decode_rows == (1, 3)  # auto on the XLA CPU client: one row, or every slot
     assert {k for k in exe._replays if k[0] == "decode"} == {("decode", g, kv, b) for g in (True, False)
-                                                             for kv in exe.decode_kv_buckets
-                                                             for b in exe.decode_batch_buckets}
-    assert {k[1:] for k in exe._replays if k[0] == "prefill"} == {(s, None) for s in exe.prefill_buckets}  # no
+                                                             for kv in exe.buckets.decode_kv
+                                                             for b in exe.buckets.decode_rows}
+    assert {k[1:] for k in exe._replays if k[0] == "prefill"} == {(s, None) for s in exe.buckets.prefill}  # no
     # windows at 3 slots; the head: a graph per row bucket and head, whatever the prompts' bucket
     assert {k[1:] for k in exe._replays if k[0] == "head"} == {(b, g) for b in [1, 3] for g in (True, False)}
-    traced = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, on_recompile="error",
-                        replay_steps=False, warmup="needed", **SMALL)
+    traced = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3,
+                        compile={"on_recompile": "error", "replay_steps": False}, warmup="needed", **SMALL)
     assert traced.executor._replays == {}
     reqs = workload(image_files)
     expected = [r.token_ids for r in traced.generate(reqs)]
@@ -376,7 +386,7 @@ def test_replayed_steps_emit_the_state_in_its_parameters_order(xla_engine):
     for key, step in exe._replays.items():
         donated = [p[1] for p in step.params if isinstance(p, tuple) and p[0] == "state"]
         assert donated == step.order, key
-    decode = exe._replays[("decode", True, exe.decode_kv_buckets[0], exe.max_batch)]
+    decode = exe._replays[("decode", True, exe.buckets.decode_kv[0], exe.max_batch)]
     assert decode.order == [i for layer in range(n) for i in (layer, n + layer)]
 
 
@@ -388,15 +398,15 @@ def test_keys_held_transposed_on_xla_cpu(xla_engine, qwen2_vl_ckpt, image_files)
     assert cache.keys_transposed and cache.k[0].shape == cache.v[0].shape[:2] + cache.v[0].shape[:1:-1]
     assert cache.keys(0).shape == cache.v[0].shape
     plain = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, warmup=False,
-                       transpose_keys=False, **SMALL)
+                       layout={"transpose_keys": False}, **SMALL)
     assert not plain.executor.cache.keys_transposed
     reqs = workload(image_files)
     assert [r.token_ids for r in xla_engine.generate(reqs)] == [r.token_ids for r in plain.generate(reqs)]
     pallas = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="pallas", max_batch=1, warmup=False, **SMALL)
     assert not pallas.executor.cache.keys_transposed
-    assert pallas.executor.decode_kv_buckets == [128]  # its decode kernel stops at each sequence's length
-    with pytest.raises(ValueError, match="transpose_keys"):
-        mmzoo.executor.XLAExecutor(transpose_keys="sometimes")
+    assert pallas.executor.buckets.decode_kv == (128,)  # its decode kernel stops at each sequence's length
+    with pytest.raises(ValueError, match="executor.layout.transpose_keys"):
+        mmzoo.executor.XLAExecutor(layout={"transpose_keys": "sometimes"})
 
 
 def test_prompts_admitted_together_share_one_prefill_step(xla_engine, image_files, monkeypatch):
@@ -407,7 +417,7 @@ def test_prompts_admitted_together_share_one_prefill_step(xla_engine, image_file
     reqs = [{"prompt": "what shape is this " * (1 + i), "images": image_files[:1 - min(i, 1)],
              "max_new_tokens": 4, "ignore_eos": True} for i in range(3)]  # an image in the first
     lengths = [len(xla_engine.prepare(Request(**r)).input_ids) for r in reqs]
-    assert sum(lengths) <= exe.max_prefill_tokens, lengths
+    assert sum(lengths) <= exe.buckets.prefill_budget, lengths
     alone = [xla_engine.generate([r])[0].token_ids for r in reqs]
     counts, prefill = [], exe.prefill
 
@@ -420,7 +430,8 @@ def test_prompts_admitted_together_share_one_prefill_step(xla_engine, image_file
     assert [r.token_ids for r in xla_engine.generate(reqs)] == alone
     assert counts == [3]
     counts.clear()
-    monkeypatch.setattr(exe, "max_prefill_tokens", lengths[0] + lengths[1])  # the third does not fit
+    budget = dataclasses.replace(exe.buckets, prefill_budget=lengths[0] + lengths[1])  # the third does not fit
+    monkeypatch.setattr(exe, "buckets", budget)
     assert [r.token_ids for r in xla_engine.generate(reqs)] == alone
     assert counts == [2, 1]
     assert exe.compiled_graphs() == before
@@ -431,11 +442,11 @@ def test_short_prompts_packed_attend_in_windows(xla_engine, qwen2_vl_ckpt, image
     64 tokens; a step of prompts none longer than 64 takes it, a step holding a longer prompt the
     whole-row graph; every prompt gets the tokens it gets alone (full attention, another engine),
     with nothing compiled past the plan. With 4 slots (a window of s/4) there is none."""
-    kw = dict(executor="xla", attention="sdpa", max_model_len=512, prefill_buckets=[64, 512], progress=False)
-    engine = mmzoo.load(qwen2_vl_ckpt, max_batch=8, encoder_buckets={"vision": [64]}, warmup="needed",
-                        on_recompile="error", **kw)
+    kw = dict(executor="xla", attention="sdpa", max_model_len=512, progress=False)
+    engine = mmzoo.load(qwen2_vl_ckpt, max_batch=8, buckets={"prefill": [64, 512], "encoder": {"vision": [64]}},
+                        warmup="needed", compile={"on_recompile": "error"}, **kw)
     exe = engine.executor
-    assert exe.windowed_prefill is True and exe.window_of(512) == 64 and exe.window_of(64) is None
+    assert exe.buckets.windows == {512: 64} and exe.buckets.window_of(64) is None
     short = [{"prompt": "what shape " * (1 + i), "images": image_files[:1 - min(i, 1)], "max_new_tokens": 3,
               "ignore_eos": True} for i in range(4)]
     long = short[:2] + [{"prompt": "what shape is this " * 10, "max_new_tokens": 3, "ignore_eos": True}]
@@ -456,20 +467,21 @@ def test_short_prompts_packed_attend_in_windows(xla_engine, qwen2_vl_ckpt, image
         assert windows == want
     assert sorted(str(g) for g in exe.warm if g.kind == "prefill") == [
         "prefill 512", "prefill 512 w64", "prefill 64"]
-    assert mmzoo.load(qwen2_vl_ckpt, max_batch=4, warmup=False, **kw).executor.window_of(512) is None
-    off = mmzoo.load(qwen2_vl_ckpt, max_batch=8, windowed_prefill=False, warmup=False, **kw)
-    assert off.executor.window_of(512) is None
-    pallas = mmzoo.load(qwen2_vl_ckpt, max_batch=8, warmup=False, **{**kw, "attention": "pallas"})
-    assert pallas.executor.window_of(512) is None  # its kernel skips the other prompts' blocks itself
+    prefill = {"prefill": [64, 512]}
+    assert mmzoo.load(qwen2_vl_ckpt, max_batch=4, warmup=False, buckets=prefill, **kw).executor.buckets.windows == {}
+    off = mmzoo.load(qwen2_vl_ckpt, max_batch=8, warmup=False, buckets={**prefill, "windowed_prefill": False}, **kw)
+    assert off.executor.buckets.windows == {}
+    pallas = mmzoo.load(qwen2_vl_ckpt, max_batch=8, warmup=False, buckets=prefill, **{**kw, "attention": "pallas"})
+    assert pallas.executor.buckets.windows == {}  # its kernel skips the other prompts' blocks itself
 
 
 def test_decode_runs_the_rows_its_slots_need(xla_engine, eager_engine, image_files, monkeypatch):
-    """``decode_batch_buckets``: a decode step runs the first slots, up to the bucket holding the
+    """``buckets.decode_rows``: a decode step runs the first slots, up to the bucket holding the
     highest running one. One request alone decodes 1 row of 3 (buckets [1, 3]); as sequences
     finish the rows shrink, and a request joining a running one makes them grow, each step's input tokens read
     from the previous step's output of other rows. Every request gets the tokens the eager
     executor (all slots, every step) gives it, and nothing compiles past warmup."""
-    from mmzoo.executor.base import Generation
+    from mmzoo.executor.loop import Generation
 
     exe = xla_engine.executor
     rows, decode = [], exe.decode
@@ -504,12 +516,12 @@ def test_decode_runs_the_rows_its_slots_need(xla_engine, eager_engine, image_fil
     assert [first.result.token_ids, second.result.token_ids] == [
         r.token_ids for r in eager_engine.generate([reqs[0], reqs[3]])]
     assert exe.compiled_graphs() == before
-    with pytest.raises(ValueError, match=r"decode_batch_buckets=\[0, 2\] must lie in \[1, max_batch=4\]"):
-        mmzoo.executor.XLAExecutor(max_batch=4, decode_batch_buckets=[0, 2])
-    assert mmzoo.executor.XLAExecutor(max_batch=4, decode_batch_buckets=[2])._batch_buckets == [2, 4]
+    with pytest.raises(ValueError, match=r"executor.buckets.decode_rows=\[0, 2\] must lie in \[1, max_batch=4\]"):
+        mmzoo.executor.XLAExecutor(max_batch=4, buckets={"decode_rows": [0, 2]})
+    assert _resolve(BucketSpec(decode_rows=[2]), max_batch=4).decode_rows == (2, 4)
     four = mmzoo.load(xla_engine.checkpoint, executor="xla", attention="sdpa", max_batch=4, warmup=False,
-                      decode_batch_buckets=[1, 2], **SMALL).executor
-    assert four.decode_batch_buckets == [1, 2, 4] and [four.decode_rows(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+                      **dict(SMALL, buckets={**BUCKETS, "decode_rows": [1, 2]})).executor.buckets
+    assert four.decode_rows == (1, 2, 4) and [four.rows(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
 
 
 def test_packed_prefill_inputs_layout():

@@ -21,8 +21,9 @@ GEN = {"max_new_tokens": 10, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engines(qwen2_vl_ckpt):
-    xla = dict(max_model_len=256, encoder_buckets={"vision": [64, 256]}, min_encoder_rows=16,
-               max_encoder_rows=256, progress=False, warmup="needed", on_recompile="error")
+    xla = dict(max_model_len=256, buckets={"encoder": {"vision": [64, 256]}, "min_encoder_rows": 16,
+                                           "max_encoder_rows": 256},
+               progress=False, warmup="needed", compile={"on_recompile": "error"})
     return {"eager": mmzoo.load(qwen2_vl_ckpt, executor="eager", max_model_len=256),
             "xla": mmzoo.load(qwen2_vl_ckpt, executor="xla", **xla)}
 

@@ -24,8 +24,8 @@ from mmzoo.backends import resolve
 from mmzoo.lms import KVCache
 
 MAX_LEN = 64
-XLA = dict(prefill_buckets=[16, 32], min_decode_kv=32, min_encoder_rows=16, max_encoder_rows=16,
-           warmup="needed", on_recompile="error", progress=False)  # needed: what each run hits, then the guard
+XLA = dict(buckets={"prefill": [16, 32], "min_decode_kv": 32, "min_encoder_rows": 16, "max_encoder_rows": 16},
+           warmup="needed", compile={"on_recompile": "error"}, progress=False)  # needed: what each run hits, then the guard
 GEN = {"max_new_tokens": 4, "ignore_eos": True}
 # token ids of ordinary pieces (no special or media token): 5 and 12 tokens, both in the 16 bucket,
 # so the prompt fills only the start of its slot and decode reads past it

@@ -49,8 +49,8 @@ def test_family_sizes_its_xla_buckets(llava_ckpt, eager):
     assert family.encoder_buckets(max_model_len=256, max_media_rows=320) == [1, 2, 4, 8, 16]
     assert family.encoder_buckets(max_model_len=1024, max_media_rows=80) == [1, 2, 4, 5]
     engine = mmzoo.load(llava_ckpt, executor="xla", max_model_len=64, progress=False, warmup=False,
-                        encoder_buckets={"vision": [2]})
-    assert engine.executor.encoder_buckets["vision"] == [2]  # the executor's config wins
+                        buckets={"encoder": {"vision": [2]}})
+    assert engine.executor.buckets.tower("vision") == (2,)  # the executor's config wins
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
@@ -127,6 +127,6 @@ def test_bare_composition_gets_item_buckets(llava_ckpt):
     from mmzoo.executor.xla import XLAExecutor
 
     _, model = build_model(mmzoo.compose(values={"checkpoint": str(llava_ckpt)}))
-    exe = XLAExecutor(max_model_len=64, max_batch=1, warmup=False, prefill_buckets=[64], progress=False)
+    exe = XLAExecutor(max_model_len=64, max_batch=1, buckets={"prefill": [64]}, compile={"warmup": False}, progress=False)
     exe.setup(model)
-    assert exe.tower_buckets("vision") == [1, 2, 4, 8, 16]
+    assert exe.buckets.tower("vision") == (1, 2, 4, 8, 16)

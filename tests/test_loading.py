@@ -59,7 +59,7 @@ def test_checkpoint_load_equals_loading_into_a_random_init(tmp_path, executor):
     from mmzoo import config, engine as engine_mod
 
     cfg = config.compose([f"executor={executor}", "weights=random"], values={
-        "checkpoint": str(ckpt), "executor": opts})
+        "checkpoint": str(ckpt), "executor": {"max_model_len": 64}, "warmup": "none"})
     family, model = engine_mod.build_model(cfg)
     state = family.convert_weights(ckpt_io.read_safetensors(ckpt))
     ckpt_io.load_strict(model, state, source="ckpt")

@@ -35,13 +35,13 @@ CASES = {
     "qwen2_vl": Case("qwen2_vl_ckpt", "image_files", "image",
                      {"eager": [0, 1, 2], "xla": [0, 1, 2]},
                      {0: "Tell me a story.", 1: "What shape is this?", 2: "Compare the two pictures."},
-                     {"max_encoder_rows": 256, "progress": False, "warmup": False}),
+                     {"buckets": {"max_encoder_rows": 256}, "progress": False, "warmup": False}),
     "llava": Case("llava_ckpt", "image_files", "image",
                   {"eager": [0, 1, 3], "xla": [3]}, "What shape is this?",
-                  {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2}),
+                  {"progress": False, "warmup": False, "buckets": {"min_encoder_rows": 64, "max_encoder_rows": 64}, "max_batch": 2}),
     "qwen2_audio": Case("qwen2_audio_ckpt", "audio_files", "audio",
                         {"eager": [0, 1, 3], "xla": [3]}, "What do you hear?",
-                        {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64,
+                        {"progress": False, "warmup": False, "buckets": {"min_encoder_rows": 64, "max_encoder_rows": 64},
                          "max_batch": 2}),
 }
 _REFS: dict = {}
@@ -56,7 +56,7 @@ def _case(family: str) -> Case:
 
     kind = families()[family].media
     return Case("tiny_checkpoints", f"{kind}_files", kind, {"eager": [0, 1], "xla": [1]}, "What is this?",
-                {"progress": False, "warmup": False, "min_encoder_rows": 64, "max_encoder_rows": 64, "max_batch": 2})
+                {"progress": False, "warmup": False, "buckets": {"min_encoder_rows": 64, "max_encoder_rows": 64}, "max_batch": 2})
 
 
 def _inputs(request, family: str, case: Case):

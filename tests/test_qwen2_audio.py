@@ -59,9 +59,10 @@ def test_xla_warmup_covers_every_clip_count(qwen2_audio_ckpt, audio_files):
     """The tower's buckets (clips per call, from the encoder's rows per clip) and the family's dummy clips
     compile everything a real request runs."""
     assert isinstance(parity.engine(qwen2_audio_ckpt, "eager").family, Qwen2Audio)
-    engine = mmzoo.load(qwen2_audio_ckpt, executor="xla", max_model_len=160, prefill_buckets=[160], min_encoder_rows=64,
-                        max_encoder_rows=64, max_batch=2, progress=False, on_recompile="error")
-    assert engine.executor.tower_buckets("audio") == [1, 2, 4]  # 4 clips of 50 rows fill the 160 + 64 media rows
+    engine = mmzoo.load(qwen2_audio_ckpt, executor="xla", max_model_len=160, max_batch=2, progress=False,
+                        buckets={"prefill": [160], "min_encoder_rows": 64, "max_encoder_rows": 64},
+                        compile={"on_recompile": "error"})
+    assert engine.executor.buckets.tower("audio") == (1, 2, 4)  # 4 clips of 50 rows fill the 160 + 64 media rows
     results = engine.generate([{"prompt": PROMPT, "audios": audio_files[:n], **GEN} for n in (3, 1)])
     eager = parity.engine(qwen2_audio_ckpt, "eager")
     for n, r in zip((3, 1), results):

@@ -12,7 +12,7 @@ import parity
 PROMPTS = {0: "Tell me a story.", 1: "What shape is this?", 2: "Compare the two pictures."}
 EXECUTORS = ["eager", "xla"]
 # buckets sized for the tiny test images; graphs compile on first use here (warmup is tested elsewhere)
-XLA_SMALL = {"max_encoder_rows": 256, "progress": False, "warmup": False}
+XLA_SMALL = {"buckets": {"max_encoder_rows": 256}, "progress": False, "warmup": False}
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,9 @@ import pytest
 import mmzoo
 from mmzoo.serve import free_port
 
-XLA_SMALL = ["executor=xla", "executor.max_model_len=128", "executor.min_prefill=64", "executor.min_encoder_rows=64",
-             "executor.max_encoder_rows=64", "executor.max_batch=4", "executor.progress=false"]
+XLA_SMALL = ["executor=xla", "executor.max_model_len=128", "executor.buckets.min_prefill=64",
+             "executor.buckets.min_encoder_rows=64", "executor.buckets.max_encoder_rows=64", "executor.max_batch=4",
+             "executor.progress=false"]
 
 
 class Server:

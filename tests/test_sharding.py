@@ -37,16 +37,16 @@ from mmzoo.models import Family
 GEN = {"max_new_tokens": 8, "ignore_eos": True}
 FAMILIES = families()  # every conf/model option: its family class and tiny checkpoint builder
 MESH = "qwen2_vl-4heads"  # the checkpoint of the mesh and backend cases: Qwen2-VL with 4 vision heads (tp=4 divides)
-QWEN2_VL_XLA = {"max_model_len": 128, "max_batch": 2, "prefill_buckets": [64], "encoder_buckets": {"vision": [64]},
-                "min_encoder_rows": 64, "max_encoder_rows": 64}
+QWEN2_VL_XLA = {"max_model_len": 128, "max_batch": 2, "buckets": {"prefill": [64], "encoder": {"vision": [64]},
+                                                                   "min_encoder_rows": 64, "max_encoder_rows": 64}}
 # every family's case: the tower's own buckets (patches up to 64 rows, or whole items), room for two 1 s clips
-FAMILY_XLA = {"max_model_len": 160, "max_batch": 2, "prefill_buckets": [128], "min_encoder_rows": 64,
-              "max_encoder_rows": 64}
+FAMILY_XLA = {"max_model_len": 160, "max_batch": 2,
+              "buckets": {"prefill": [128], "min_encoder_rows": 64, "max_encoder_rows": 64}}
 # (name, family, checkpoint, mesh, attention, executor options): every backend at tp=2, then the other meshes,
 # one with fused q/k/v and gate/up projections (split column-wise like their parts); then every family at
 # dp=2 x tp=2 with Pallas, whose kernels run per shard on each tower's own attention inputs (segments, lengths)
 CASES = [("qwen2_vl-tp2-sdpa", "qwen2_vl", MESH, {"model": 2}, "sdpa", QWEN2_VL_XLA),
-         ("qwen2_vl-tp2-sdpa-fused", "qwen2_vl", MESH, {"model": 2}, "sdpa", dict(QWEN2_VL_XLA, fuse_projections=True)),
+         ("qwen2_vl-tp2-sdpa-fused", "qwen2_vl", MESH, {"model": 2}, "sdpa", dict(QWEN2_VL_XLA, layout={"fuse_projections": True})),
          ("qwen2_vl-tp2-eager", "qwen2_vl", MESH, {"model": 2}, "eager", QWEN2_VL_XLA),
          ("qwen2_vl-tp2-pallas", "qwen2_vl", MESH, {"model": 2}, "pallas", QWEN2_VL_XLA),
          ("qwen2_vl-tp4-pallas", "qwen2_vl", MESH, {"model": 4}, "pallas", QWEN2_VL_XLA),  # 2 kv heads < 4: replicated

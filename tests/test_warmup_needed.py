@@ -11,11 +11,12 @@ import sys
 import mmzoo
 from mmzoo.executor import warmup
 
-SMALL = dict(max_model_len=128, min_prefill=32, encoder_buckets={"vision": [64, 128]}, max_batch=2, progress=False)
+SMALL = dict(max_model_len=128, buckets={"min_prefill": 32, "encoder": {"vision": [64, 128]}}, max_batch=2, progress=False,
+             compile={"on_recompile": "error"})
 
 
 def test_needed_plan_is_a_subset_of_all_and_the_run_compiles_nothing_more(qwen2_vl_ckpt, image_files):
-    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", warmup="needed", on_recompile="error", **SMALL)
+    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", warmup="needed", **SMALL)
     exe = engine.executor
     assert not exe.warm and exe.graphs_since_warmup() is None  # nothing compiled at load
     reqs = [{"prompt": "What is this?", "images": [image_files[0]], "max_new_tokens": 3},
@@ -44,7 +45,7 @@ def test_needed_plan_is_a_subset_of_all_and_the_run_compiles_nothing_more(qwen2_
 def test_a_run_that_only_samples_compiles_no_greedy_graph(qwen2_vl_ckpt):
     """Every decode batch and every head of a run whose requests all sample has a sampling row, so
     no greedy head or decode graph is compiled; the run passes with the guard on."""
-    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", warmup="needed", on_recompile="error", **SMALL)
+    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", warmup="needed", **SMALL)
     reqs = [{"prompt": "Say something.", "max_new_tokens": 4, "temperature": 0.8, "seed": 1},
             {"prompt": "Say more.", "max_new_tokens": 6, "temperature": 0.5, "top_k": 5, "seed": 2}]
     plan = warmup.needed(engine.executor, [engine.prepare(mmzoo.Request.parse(r)) for r in reqs])
@@ -59,7 +60,7 @@ def test_cli_default_compiles_what_the_requests_need(qwen2_vl_ckpt, image_files,
     reqs.write_text("\n".join(json.dumps({"prompt": f"Q{i}", "images": [image_files[i % 3]], "max_new_tokens": 3})
                               for i in range(4)) + "\n")
     p = subprocess.run([sys.executable, "-m", "mmzoo.infer", f"checkpoint={qwen2_vl_ckpt}", f"requests={reqs}",
-                        f"output={tmp_path / 'out.jsonl'}", "executor.on_recompile=error", "executor.max_model_len=256",
+                        f"output={tmp_path / 'out.jsonl'}", "executor.compile.on_recompile=error", "executor.max_model_len=256",
                         "executor.progress=false"], cwd=tmp_path, env={**os.environ, "PJRT_DEVICE": "CPU"},
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
@@ -74,7 +75,7 @@ def test_engine_warm_compiles_what_generate_then_runs(qwen2_vl_ckpt, image_files
     """``Engine.warm(requests)``: the needed graphs compiled without running anything (a
     benchmark's untimed priming); the requests then run with the guard on and compile nothing. A
     request that cannot run is skipped; warming the same requests again compiles nothing."""
-    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", warmup="needed", on_recompile="error", **SMALL)
+    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", warmup="needed", **SMALL)
     exe = engine.executor
     reqs = [{"prompt": "What is this?", "images": [image_files[0]], "max_new_tokens": 3},
             {"prompt": "Say something.", "max_new_tokens": 4, "ignore_eos": True},

@@ -60,7 +60,7 @@ class _System:
         import mmzoo
 
         kind = self.system.split("-", 1)[1]
-        extra = {"warmup": "needed", "on_recompile": "warn"} if kind == "xla" else {}
+        extra = {"warmup": "needed", "compile": {"on_recompile": "warn"}} if kind == "xla" else {}
         self.engine = mmzoo.load(self.spec["checkpoint"], model="qwen2_vl", executor=kind, dtype=self.dtype,
                                  max_model_len=int(self.spec["max_model_len"]), max_batch=int(self.spec["batch"]),
                                  progress=False, **extra)

@@ -222,9 +222,9 @@ def xla_engine(b: Bench):
     if os.environ.get("PJRT_DEVICE") == "CPU":
         warmup["note"] = ("warm = a second engine in the same process (torch_xla's in-process graph "
                           "cache); PJRT's CPU client cannot deserialize executables, so the persistent "
-                          "on-disk cache (compile_cache_dir) only works on TPU/GPU")
-    elif cfg.executors.xla.compile_cache_dir:
-        warmup["note"] = (f"compile_cache_dir={cfg.executors.xla.compile_cache_dir} is on: the cold "
+                          "on-disk cache (executor.compile.cache_dir) only works on TPU/GPU")
+    elif cfg.executors.xla.compile.cache_dir:
+        warmup["note"] = (f"executor.compile.cache_dir={cfg.executors.xla.compile.cache_dir} is on: the cold "
                           f"warmup reads executables a previous run left there")
     return engine, warmup
 

@@ -53,13 +53,10 @@ def sweep(cfg: DictConfig, checkpoint: Path, text: PromptText) -> list[dict]:
 
 def _executor(cfg: DictConfig, batch: int) -> dict:
     """The points' XLA executor options: the sweep's, with the single-device-only layouts off for every point alike."""
-    over = OmegaConf.to_container(cfg.sweep.xla_overrides, resolve=True)
-    xla = {**OmegaConf.to_container(cfg.executors.xla, resolve=True), **over,
-           "max_batch": batch, "on_recompile": "warn", "progress": False}
-    for key in ("transpose_weights", "transpose_keys", "replay_steps"):
-        if key in xla:
-            xla[key] = False
-    return xla
+    off = {"layout": {"transpose_weights": False, "transpose_keys": False}, "compile": {"replay_steps": False}}
+    merged = OmegaConf.merge(cfg.executors.xla, cfg.sweep.xla_overrides, off,
+                             {"max_batch": batch, "progress": False, "compile": {"on_recompile": "warn"}})
+    return OmegaConf.to_container(merged, resolve=True)
 
 
 def _run_point(point: dict) -> dict:

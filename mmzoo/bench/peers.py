@@ -85,8 +85,8 @@ class MmzooPeer:
         self.engine = mmzoo.load(checkpoint, model=family, executor="xla", attention=attention, dtype=dtype,
                                  towers=False, max_batch=max(batches), max_model_len=max_len,
                                  max_prefill_tokens=prompt_len * max(batches),
-                                 prefill_buckets=sorted({prompt_len * b for b in batches}), warmup="needed",
-                                 on_recompile="error", progress=False)
+                                 buckets={"prefill": sorted({prompt_len * b for b in batches})}, warmup="needed",
+                                 compile={"on_recompile": "error"}, progress=False)
 
     def run(self, ids: np.ndarray, new: int) -> list[float]:
         results = self.engine.generate([{"prompt_token_ids": [int(t) for t in row], "max_new_tokens": new,

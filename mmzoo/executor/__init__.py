@@ -2,10 +2,13 @@
 
 from mmzoo.executor.base import Executor
 from mmzoo.executor._sharding import MeshSpec, mesh_option
+from mmzoo.executor.buckets import Buckets
 from mmzoo.executor.eager import EagerExecutor
+from mmzoo.executor.loop import Generation, generate
 from mmzoo.executor.scheduler import Drain
 
-__all__ = ["Executor", "EagerExecutor", "XLAExecutor", "MeshSpec", "mesh_option", "Drain"]
+__all__ = ["Executor", "EagerExecutor", "XLAExecutor", "Buckets", "Generation", "generate", "MeshSpec", "mesh_option",
+           "Drain"]
 
 
 def __getattr__(name):

@@ -8,9 +8,8 @@ from mmzoo.executor.base import Executor
 
 
 class EagerExecutor(Executor):
-    """Runs the pipeline with plain torch on CPU at each request's exact shapes: a decode step runs
-    the slots up to the highest running one and attends over the positions its longest sequence
-    holds, a prefill's head the prompts it packs.
+    """Runs the pipeline with plain torch on CPU at each request's exact shapes
+    (:meth:`~mmzoo.executor.buckets.Buckets.exact_sizes`).
 
     Args:
         fuse_projections: stack attention's q/k/v and the gated MLP's gate/up projections into one
@@ -40,15 +39,6 @@ class EagerExecutor(Executor):
 
     def device(self) -> torch.device:
         return torch.device("cpu")
-
-    def decode_rows(self, n: int) -> int:
-        return n
-
-    def prefill_rows(self, n: int) -> int:
-        return max(n, 1)
-
-    def decode_kv_len(self, n: int) -> int:
-        return min(n, self.max_model_len)
 
     def _packing(self) -> bool:
         from mmzoo.executor import _layout

@@ -47,13 +47,12 @@ class Graph:
 def plan(executor, towers: list[str]) -> list[Graph]:
     """Every graph a run with ``executor``'s buckets can use (towers: the model's, when warmup can
     build their dummy inputs)."""
-    out = [Graph("encode", rows, tower) for tower in towers for rows in executor.tower_buckets(tower)]
-    out += [Graph("embeds", rows) for rows in executor.default_encoder_buckets]
-    out += [Graph("prefill", s, window=w) for s in executor.prefill_buckets
-            for w in dict.fromkeys([None, executor.window_of(s)])]
-    out += [Graph("head", r, greedy=g, rows=r) for r in executor.decode_batch_buckets for g in (True, False)]
-    out += [Graph("decode", kv, greedy=g, rows=b) for b in executor.decode_batch_buckets
-            for kv in executor.decode_kv_buckets for g in (True, False)]
+    b = executor.buckets
+    out = [Graph("encode", rows, tower) for tower in towers for rows in b.tower(tower)]
+    out += [Graph("embeds", rows) for rows in b.tower("embeds")]
+    out += [Graph("prefill", s, window=w) for s in b.prefill for w in dict.fromkeys([None, b.window_of(s)])]
+    out += [Graph("head", r, greedy=g, rows=r) for r in b.decode_rows for g in (True, False)]
+    out += [Graph("decode", kv, greedy=g, rows=r) for r in b.decode_rows for kv in b.decode_kv for g in (True, False)]
     return out
 
 
@@ -67,6 +66,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     from mmzoo.buckets import round_up
     from mmzoo.errors import MmzooError
 
+    b = executor.buckets
     out: set[Graph] = set()
     lo, hi, heads = None, 0, set()
     prompts = []  # (tokens, greedy) of each prompt that can run, in order
@@ -75,9 +75,9 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
             graphs = set()
             for item in p.media:
                 if item.embeds is not None:
-                    graphs.add(Graph("embeds", executor.encoder_rows("embeds", item.embeds.shape[0])))
+                    graphs.add(Graph("embeds", b.encoder_rows("embeds", item.embeds.shape[0])))
                 else:
-                    rows = executor.encoder_rows(item.tower, round_up(item.rows, item.row_multiple))
+                    rows = b.encoder_rows(item.tower, round_up(item.rows, item.row_multiple))
                     graphs.add(Graph("encode", rows, item.tower))
             if generate:
                 n, req = len(p.input_ids), p.request
@@ -96,28 +96,27 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     # the prompts admitted together are packed into one prefill step: admission takes waiting
     # requests in order, so a step holds a consecutive run of up to max_batch prompts (any run,
     # as slots free up) within the token budget
-    budget = executor.prefill_budget()
+    budget = b.prefill_budget
     for i in range(len(prompts)):
         tokens, longest, greedy, any_greedy = 0, 0, True, False
         for k, (n, g) in enumerate(prompts[i:i + executor.max_batch], start=1):
             tokens, longest, greedy, any_greedy = tokens + n, max(longest, n), greedy and g, any_greedy or g
             if tokens > budget:
                 break
-            s = executor.prefill_len(tokens)
-            out.add(Graph("prefill", s, window=executor.prefill_window(s, longest)))
+            s = b.prefill_len(tokens)
+            out.add(Graph("prefill", s, window=b.prefill_window(s, longest)))
             # the head's rows hold the prompts that encoded their media; one failing leaves fewer
             # (and a run whose sampled prompts all failed is greedy, if it has a greedy one)
-            rows = [b for b in executor.decode_batch_buckets if b <= executor.prefill_rows(k)]
+            rows = [r for r in b.decode_rows if r <= b.head_rows(k)]
             out |= {Graph("head", r, greedy=h, rows=r) for r in rows for h in {greedy, any_greedy}}
     if lo is not None:
-        buckets = executor.decode_kv_buckets
-        first, last = executor.decode_kv_len(lo), executor.decode_kv_len(hi)
+        first, last = b.decode_kv_len(lo), b.decode_kv_len(hi)
         # the slots of the running sequences: the lowest free first, so below min(requests, max_batch),
         # and the highest running one anywhere below that as sequences finish
-        slots = [b for b in executor.decode_batch_buckets if b <= executor.decode_rows(min(len(prompts), executor.max_batch))]
+        slots = [r for r in b.decode_rows if r <= b.rows(min(len(prompts), executor.max_batch))]
         # a decode batch is some of the running sequences: greedy where a greedy request can be
         # among them alone, sampling where a sampling one can be among them
-        for kv in (b for b in buckets if first <= b <= last):
+        for kv in (k for k in b.decode_kv if first <= k <= last):
             out |= {Graph("decode", kv, greedy=g, rows=r) for g in heads for r in slots}
     order = {"encode": 0, "embeds": 1, "prefill": 2, "head": 3, "decode": 4}
     return sorted(out, key=lambda g: (order[g.kind], g.tower or "", g.rows or 0, g.size, g.window or 0, not g.greedy))
@@ -158,10 +157,9 @@ def run(executor, graphs: list[Graph], dummy_media: Callable[[str, int], TowerIn
         elif g.kind == "head":
             hidden = executor._tensor(np.zeros((executor.max_batch, executor.model.lm.dim), np.float32),
                                       executor.dtype)
-            out = executor.prefill_head(hidden, g.rows, _sampling(g.rows, g.greedy))
+            out = executor.prefill_head(hidden, _sampling(g.rows, g.greedy))
         else:
             out = executor.decode(DecodeInputs.zeros(g.rows, g.size), _sampling(g.rows, g.greedy))
-        executor.step_done()
         if g.kind in ("prefill", "head", "decode"):
             out.cpu()
         executor.warm.add(g)

@@ -2,10 +2,14 @@
 
 Every step runs at a padded, bucketed shape so that XLA compiles a small, fixed set of graphs,
 all of them at warmup: each tower at each input-row bucket (padding rows carry their own
-attention segment, so they change nothing), the prompts at each prefill bucket, and one decode
-step, each with greedy and sampling heads. After warmup a compile guard watches torch_xla's
-compilation counter, and each step runs as its compiled graph without being traced again
-(:mod:`mmzoo.executor._replay`).
+attention segment, so they change nothing), the prompts at each prefill bucket, and the decode
+step at each KV-length and row bucket, each with greedy and sampling heads. After warmup a
+compile guard watches torch_xla's compilation counter, and each step runs as its compiled graph
+without being traced again (:mod:`mmzoo.executor._replay`).
+
+Its options come in three config groups, each ``auto`` resolved once (:meth:`XLAExecutor.resolve`)
+and printed at start: ``executor.buckets`` (:class:`~mmzoo.executor.options.BucketSpec`),
+``executor.layout`` and ``executor.compile`` (:mod:`mmzoo.executor.options`).
 """
 
 from __future__ import annotations
@@ -16,14 +20,17 @@ import sys
 import time
 import warnings
 from collections import deque
+from dataclasses import asdict
+from typing import Mapping
 
 import torch
 
-from mmzoo.buckets import doubling, pick, with_top
+from mmzoo.errors import MmzooError
 from mmzoo.executor.base import Executor
+from mmzoo.executor.buckets import Buckets
+from mmzoo.executor.options import BucketSpec, CompileSpec, LayoutSpec, known, misplaced
 
 _CACHE_DIR: str | None = None
-MAX_ITEMS_PER_CALL = 16  # the default largest bucket of a tower whose rows are images or clips
 
 
 class RecompileError(RuntimeError):
@@ -45,197 +52,80 @@ class XLAExecutor(Executor):
         max_batch: decode slots.
         max_prefill_tokens: prompt tokens one packed prefill step takes (:class:`Executor`);
             None: ``max_model_len``.
-        prefill_buckets: padded token counts of a prefill step (one prompt, or several packed);
-            default: doubling from ``min_prefill`` to the larger of ``max_model_len`` and
-            ``max_prefill_tokens``, in steps of ``prefill_linear_step`` past ``prefill_linear_after``.
-        encoder_buckets: tower name -> padded input-row counts (Qwen2-VL: patches per call);
-            default: doubling from ``min_encoder_rows`` to ``max_encoder_rows``.
-        decode_kv_buckets: KV-cache lengths a decode step attends over (the smallest that holds
-            the longest active sequence), so a step with short sequences reads only the start of
-            the cache; ``max_model_len`` is always one. Default: doubling from ``min_decode_kv``,
-            or only ``max_model_len`` when every LM attention backend skips the keys past each
-            sequence's length itself (Pallas).
-        decode_batch_buckets: rows of a decode step: it runs the first ``n`` KV-cache slots, the
-            smallest bucket holding every running slot (the scheduler fills the lowest free slot
-            first), so a batch-1 step pays for one row, not ``max_batch`` (on the XLA CPU client a
-            64M-parameter step cost ~9 ms at 1 row and ~19 ms at 8). A prefill's head step (the
-            LM head and sampling of its prompts' first tokens) takes the bucket holding its
-            prompts. ``max_batch`` is always one.
-            Default (``"auto"``): ``[1, max_batch]`` on the XLA CPU client without a mesh (one
-            request alone runs one row; each bucket adds a graph per KV bucket and head to
-            ``warmup=all``, so finer ones are left to an explicit list); elsewhere doubling from
-            ``min(8, max_batch)`` (an accelerator computes 8 rows at the cost of one; vLLM pads to
-            8 on TPU); ``max_batch`` only with a device mesh (its slots are split over the data
-            axis).
-        warmup: ``all`` (or true): compile every graph of every bucket when the engine is loaded
-            (a server: requests come later); ``needed``: before each run, compile only the graphs
-            its requests hit (:meth:`warm_for`: a one-shot run or a requests file, known up front);
-            ``none`` (or false): compile as shapes come, with no guard.
-        on_recompile: ``error``, ``warn`` or ``ignore`` when a graph compiles after warmup.
-        compile_cache_dir: persistent XLA compilation cache (None: off).
+        buckets: the ``executor.buckets`` group (:class:`~mmzoo.executor.options.BucketSpec`).
+        layout: the ``executor.layout`` group (:class:`~mmzoo.executor.options.LayoutSpec`).
+        compile: the ``executor.compile`` group (:class:`~mmzoo.executor.options.CompileSpec`).
         progress: progress bars for warmup and generation.
-        transpose_weights: hold linear weights as ``[in, out]`` (:mod:`mmzoo.executor._layout`);
-            ``"auto"``: on the XLA CPU client without a mesh, where it removes a weight copy per step.
-        fuse_projections: stack attention's q/k/v and the gated MLP's gate/up projections into one
-            linear each (:func:`mmzoo.executor._layout.fuse_projections`); ``"auto"``: on the XLA
-            CPU client without a mesh.
-        transpose_keys: hold the KV cache's keys as ``[.., head_dim, len]``, so the decode step's
-            ``q @ k^T`` reads them in place (:class:`~mmzoo.lms.KVCache`); ``"auto"``: on the XLA
-            CPU client without a mesh, when every LM attention backend is matmul-based (sdpa,
-            eager; not Pallas, whose kernels read ``[len, head_dim]`` tiles).
-        windowed_prefill: give each prefill bucket ``s`` a second graph whose attention runs in
-            windows of ``w`` tokens, the bucket that holds ``s / max_batch`` (the share of an even
-            full step), where ``w <= s / 8`` divides ``s``; a step whose prompts are none longer
-            than ``w`` takes it (:meth:`~mmzoo.backends._base.AttentionBackend.windowed`:
-            ``s * 2w`` scores instead of ``s * s``, at most a quarter). With 4 slots (``w = s / 4``)
-            a 512-token step gained 11%, not worth a graph per bucket in every such server's
-            warmup. ``"auto"``: when every LM attention backend computes the scores its mask
-            hides (sdpa, eager; Pallas' kernel skips them).
-        rotary_table: precompute the rotary cos/sin of the LM (positions ``0 .. max_model_len - 1``)
-            and of each tower that names its positions input (``rotary_input``; positions up to
-            its largest input-row bucket) (:meth:`~mmzoo.layers.Rotary.tabulate`, vLLM's
-            ``cos_sin_cache``) and gather them per step: XLA otherwise fuses the cos/sin into
-            every layer's q and k rotation and evaluates them there per element and per head (on
-            the XLA CPU client the bench model's prefill steps took ~10% longer, a 448 x 448
-            image's first token ~6%). ``"auto"``: on. Positions are checked on the host
-            (:meth:`~mmzoo.executor.base.Executor.check_prompt`, :meth:`~mmzoo.executor.base.Executor.encode`).
-        replay_steps: after warmup, run each step (encode, prefill, decode) as its compiled graph
-            with new inputs instead of tracing it again on every call
-            (:mod:`mmzoo.executor._replay`); ``"auto"``: without a device mesh.
     """
 
     name = "xla"
 
     def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, max_prefill_tokens: int | None = None,
-                 prefill_buckets: list[int] | None = None,
-                 min_prefill: int = 16, prefill_linear_after: int | None = None, prefill_linear_step: int | None = None,
-                 encoder_buckets: dict[str, list[int]] | None = None, min_encoder_rows: int = 64,
-                 max_encoder_rows: int = 16384, decode_kv_buckets: list[int] | None = None,
-                 min_decode_kv: int = 128, warmup: bool | str = "all", on_recompile: str = "warn",
-                 compile_cache_dir: str | None = None, progress: bool = False, transpose_weights: bool | str = "auto",
-                 fuse_projections: bool | str = "auto", transpose_keys: bool | str = "auto",
-                 replay_steps: bool | str = "auto", windowed_prefill: bool | str = "auto",
-                 decode_batch_buckets: list[int] | str | None = "auto", rotary_table: bool | str = "auto"):
+                 buckets: Mapping | None = None, layout: Mapping | None = None, compile: Mapping | None = None,
+                 progress: bool = False, **unknown):
+        if unknown:
+            raise MmzooError(misplaced(unknown))
         super().__init__(max_model_len=max_model_len, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
                          progress=progress)
-        if on_recompile not in ("error", "warn", "ignore"):
-            raise ValueError(f"on_recompile={on_recompile!r}: choose error, warn or ignore")
-        top = max(max_model_len, self.max_prefill_tokens)
-        self.prefill_buckets = (sorted(int(b) for b in prefill_buckets) if prefill_buckets else
-                                doubling(min(min_prefill, max_model_len), top,
-                                         linear_after=prefill_linear_after, step=prefill_linear_step))
-        if self.prefill_buckets[-1] > top:
-            raise ValueError(f"prefill bucket {self.prefill_buckets[-1]} exceeds max_model_len={max_model_len} "
-                             f"and max_prefill_tokens={self.max_prefill_tokens}")
-        self.encoder_buckets = {k: sorted(int(x) for x in v) for k, v in (encoder_buckets or {}).items()}
-        self.default_encoder_buckets = doubling(min_encoder_rows, max_encoder_rows)
-        if decode_kv_buckets is not None:
-            self._kv_buckets = with_top(decode_kv_buckets, max_model_len, "decode_kv_buckets", "max_model_len")
-        else:
-            self._kv_buckets = None  # resolved in setup(), against the model's attention backends
-        self.min_decode_kv = min_decode_kv
-        self.decode_kv_buckets: list[int] = []
-        if decode_batch_buckets in (None, "auto"):
-            self._batch_buckets = None  # resolved in setup(), against the device and the mesh
-        else:
-            self._batch_buckets = with_top(decode_batch_buckets, max_batch, "decode_batch_buckets", "max_batch")
-        self.decode_batch_buckets: list[int] = []
-        self.transpose_weights = _auto_or_bool("transpose_weights", transpose_weights)
-        self.fuse_projections = _auto_or_bool("fuse_projections", fuse_projections)
-        self.transpose_keys = _auto_or_bool("transpose_keys", transpose_keys)
-        self.replay_steps = _auto_or_bool("replay_steps", replay_steps)
-        self.windowed_prefill = _auto_or_bool("windowed_prefill", windowed_prefill)
-        self.rotary_table = _auto_or_bool("rotary_table", rotary_table)
-        self.replaying = False  # set by setup(): replay_steps resolved against the mesh
+        self.bucket_spec = BucketSpec.from_config(buckets)
+        self.bucket_spec.check(max_model_len=max_model_len, max_batch=max_batch,
+                               max_prefill_tokens=self.max_prefill_tokens)
+        self.layout_spec = LayoutSpec(**known("executor.layout", LayoutSpec, layout))
+        for key, value in asdict(self.layout_spec).items():
+            _auto_or_bool(f"executor.layout.{key}", value)
+        self.compile_spec = spec = CompileSpec(**known("executor.compile", CompileSpec, compile))
+        if spec.on_recompile not in ("error", "warn", "ignore"):
+            raise ValueError(f"executor.compile.on_recompile={spec.on_recompile!r}: choose error, warn or ignore")
+        _auto_or_bool("executor.compile.replay_steps", spec.replay_steps)
+        mode = {True: "all", False: "none"}.get(spec.warmup, spec.warmup)
+        if mode not in ("all", "needed", "none"):
+            raise ValueError(f"executor.compile.warmup={spec.warmup!r}: choose all, needed or none")
+        self.warmup_mode, self.on_recompile = mode, spec.on_recompile
+        self.do_warmup = mode == "all"
+        self.layouts: LayoutSpec | None = None  # resolve(): every layout as true or false
+        self.replaying = False  # resolve(): replay_steps against the mesh
         self._replays: dict = {}  # step key (kind and static shape) -> ReplayedStep
         # the state tensors donated to the last two replayed steps: dropping a donated tensor waits
         # for the step that consumed it, so they are let go only once that step is surely done
         self._retired: deque = deque(maxlen=2)
         self._replayed = False  # the last step was replayed: nothing is left to sync
-        mode = {True: "all", False: "none"}.get(warmup, warmup)
-        if mode not in ("all", "needed", "none"):
-            raise ValueError(f"warmup={warmup!r}: choose all, needed or none")
-        self.warmup_mode, self.on_recompile = mode, on_recompile
-        self.do_warmup = mode == "all"
         self.warmup_s: float | None = None
         self._after: int | None = None  # graphs this executor's steps compiled after warmup
         self._seen = 0  # the process-wide compile count when the current step began
         ensure_pjrt_device()
-        if compile_cache_dir and os.environ["PJRT_DEVICE"] != "CPU":
+        if spec.cache_dir and os.environ["PJRT_DEVICE"] != "CPU":
             # PJRT's CPU client cannot deserialize executables, so the cache only helps on TPU/GPU.
-            _init_cache(os.path.expanduser(str(compile_cache_dir)))
+            _init_cache(os.path.expanduser(str(spec.cache_dir)))
         import torch_xla
 
         self._xla = torch_xla
 
-    def setup(self, model, *, dtype: str = "float32", eos_token_ids=(), take_ownership: bool = False,
-              weights=None, progress=None) -> None:
-        if self.transpose_weights is True and self.sharding is not None:
-            raise ValueError("transpose_weights=true is not supported with a device mesh (the sharding rules "
-                             "name [out, in] weights); use auto or false")
-        if self.replay_steps is True and self.sharding is not None:
-            raise ValueError("replay_steps=true is not supported with a device mesh; use auto or false")
-        for tower, module in model.towers.items():  # towers whose input rows are whole items (images, clips)
-            per = module.encoder.rows_per_item  # the Encoder contract (mmzoo.encoders.Encoder)
-            if tower not in self.encoder_buckets and per:
-                self.encoder_buckets[tower] = doubling(1, max(1, min(MAX_ITEMS_PER_CALL, self.max_media_rows() // per)))
-        super().setup(model, dtype=dtype, eos_token_ids=eos_token_ids, take_ownership=take_ownership,
-                      weights=weights, progress=progress)
-        self.replaying = self.sharding is None if self.replay_steps == "auto" else bool(self.replay_steps)
-        skipping = all(b.skips_past_length for b in self._lm_backends(self.model))
-        self.decode_kv_buckets = self._kv_buckets or (
-            [self.max_model_len] if skipping else doubling(min(self.min_decode_kv, self.max_model_len),
-                                                           self.max_model_len))
-        if self._batch_buckets is not None and self.sharding is not None and self._batch_buckets != [self.max_batch]:
-            raise ValueError(f"decode_batch_buckets={self._batch_buckets} is not supported with a device mesh (its "
-                             f"slots are split over the data axis); use auto or [{self.max_batch}]")
-        self.decode_batch_buckets = self._batch_buckets or (
-            [self.max_batch] if self.sharding is not None else
-            sorted({1, self.max_batch}) if self._cpu_alone() else doubling(min(8, self.max_batch), self.max_batch))
-        if self.windowed_prefill == "auto":
-            self.windowed_prefill = not all(b.skips_masked_blocks for b in self._lm_backends(self.model))
+    # -- every auto, decided once ---------------------------------------------------------------
+    def _buckets(self, model, family) -> Buckets:
+        """Resolve the three groups against ``model``'s towers and attention backends, the device
+        and the mesh (:meth:`~mmzoo.executor.base.Executor.resolve` calls this once)."""
+        mesh, alone = self.sharding is not None, self._cpu_alone()
+        spec, backends = self.layout_spec, self._lm_backends(model)
+        for key in ("transpose_weights", "transpose_keys"):
+            if getattr(spec, key) is True and mesh:
+                raise ValueError(f"executor.layout.{key}=true is not supported with a device mesh (the sharding "
+                                 f"rules name the usual layout); use auto or false")
+        if self.compile_spec.replay_steps is True and mesh:
+            raise ValueError("executor.compile.replay_steps=true is not supported with a device mesh; use auto or false")
+        auto = {"transpose_weights": alone, "fuse_projections": alone, "rotary_table": True,
+                "transpose_keys": alone and all(b.matmul_keys for b in backends)}
+        self.layouts = LayoutSpec(**{k: auto[k] if v == "auto" else bool(v) for k, v in asdict(spec).items()})
+        replay = self.compile_spec.replay_steps
+        self.replaying = not mesh if replay == "auto" else bool(replay)
+        return self.bucket_spec.resolve(max_model_len=self.max_model_len, max_batch=self.max_batch,
+                                        max_prefill_tokens=self.max_prefill_tokens,
+                                        towers={t: m.encoder for t, m in model.towers.items()},
+                                        lm_backends=backends, cpu_alone=alone, mesh=mesh, family=family)
 
-    def _transposing(self) -> bool:
-        return self._cpu_alone() if self.transpose_weights == "auto" else bool(self.transpose_weights)
-
-    def _fusing(self) -> bool:
-        return self._cpu_alone() if self.fuse_projections == "auto" else bool(self.fuse_projections)
-
-    def prepare_model(self, model) -> None:
-        """Tabulate the rotaries of the LM and the towers (``rotary_table``) before the model is placed."""
-        if self.rotary_table in ("auto", True):
-            model.lm.rotary.tabulate(self.max_model_len)
-            for name, tower in model.towers.items():
-                if tower.encoder.rotary_input:
-                    tower.encoder.rotary.tabulate(self.tower_buckets(name)[-1])
-
-    def layout(self, name: str, unit, whole: bool) -> None:
-        """Stack q/k/v and gate/up into one linear each (``fuse_projections``), then hold linear
-        weights transposed (``transpose_weights``), one unit at a time as it is read
-        (:mod:`mmzoo.executor._layout`)."""
-        from mmzoo.executor import _layout
-
-        if whole and self._fusing():
-            _layout.fuse_projections(unit)
-        if self._transposing():
-            _layout.hold_linears_transposed(unit, recurse=whole)
-
-    def memory_available(self) -> int | None:
-        """The host's available memory on the XLA CPU client; None on an accelerator (its memory is
-        known only once the runtime starts, which must wait for a mesh to be set up)."""
-        return super().memory_available() if os.environ.get("PJRT_DEVICE") == "CPU" else None
-
-    def layout_extra_params(self, model) -> int:
-        head = model.lm.lm_head
-        return head.weight.numel() if self._transposing() and model.lm.tie_word_embeddings else 0
-
-    def hold_keys_transposed(self, model) -> bool:
-        if self.transpose_keys is True and self.sharding is not None:
-            raise ValueError("transpose_keys=true is not supported with a device mesh (the sharding rules name "
-                             "[slots, heads, len, head_dim] keys); use auto or false")
-        if self.transpose_keys != "auto":
-            return bool(self.transpose_keys)
-        return self._cpu_alone() and all(b.matmul_keys for b in self._lm_backends(model))
+    def resolved(self) -> str:
+        on = ", ".join(f"{k}={'on' if v else 'off'}" for k, v in asdict(self.layouts).items())
+        return (f"buckets: {self.buckets.describe()}; layout: {on}; compile: warmup={self.warmup_mode}, "
+                f"replay_steps={'on' if self.replaying else 'off'}, on_recompile={self.on_recompile}")
 
     def _cpu_alone(self) -> bool:
         """On the XLA CPU client without a device mesh: where the ``auto`` layouts apply."""
@@ -248,6 +138,41 @@ class XLAExecutor(Executor):
         from mmzoo.layers.attention import Attention
 
         return [m.attn_fn for m in model.lm.modules() if isinstance(m, Attention)]
+
+    # -- layout ---------------------------------------------------------------------------------
+    def prepare_model(self, model) -> None:
+        """Tabulate the rotaries of the LM and the towers (``rotary_table``) before the model is placed."""
+        if self.layouts.rotary_table:
+            model.lm.rotary.tabulate(self.max_model_len)
+            for name, tower in model.towers.items():
+                if tower.encoder.rotary_input:
+                    tower.encoder.rotary.tabulate(self.buckets.tower(name)[-1])
+
+    def layout(self, name: str, unit, whole: bool) -> None:
+        """Stack q/k/v and gate/up into one linear each (``fuse_projections``), then hold linear
+        weights transposed (``transpose_weights``), one unit at a time as it is read
+        (:mod:`mmzoo.executor._layout`)."""
+        from mmzoo.executor import _layout
+
+        if whole and self.layouts.fuse_projections:
+            _layout.fuse_projections(unit)
+        if self.layouts.transpose_weights:
+            _layout.hold_linears_transposed(unit, recurse=whole)
+
+    def layout_extra_params(self, model) -> int:
+        head = model.lm.lm_head
+        return head.weight.numel() if self.layouts.transpose_weights and model.lm.tie_word_embeddings else 0
+
+    def hold_keys_transposed(self, model) -> bool:
+        return self.layouts.transpose_keys
+
+    def memory_available(self) -> int | None:
+        """The host's available memory on the XLA CPU client; None on an accelerator (its memory is
+        known only once the runtime starts, which must wait for a mesh to be set up)."""
+        return super().memory_available() if os.environ.get("PJRT_DEVICE") == "CPU" else None
+
+    def device(self) -> torch.device:
+        return self._xla.device()
 
     # -- steps: traced once, then replayed ----------------------------------------------------
     def _state(self, name: str | None) -> list[torch.Tensor]:
@@ -265,7 +190,7 @@ class XLAExecutor(Executor):
     def run_step(self, key, fn, inputs, state):
         if not self.replaying:
             return super().run_step(key, fn, inputs, state)
-        self.step_begin()
+        self._step_begin()
         step = self._replays.get(key)
         if step is None:  # the first call at this shape (warmup): trace and compile it
             from mmzoo.executor._replay import ReplayedStep
@@ -286,41 +211,6 @@ class XLAExecutor(Executor):
         self._replayed = True
         return outputs
 
-    # -- shapes ----------------------------------------------------------------------------
-    def device(self) -> torch.device:
-        return self._xla.device()
-
-    def tower_buckets(self, tower: str) -> list[int]:
-        return self.encoder_buckets.get(tower, self.default_encoder_buckets)
-
-    def prefill_len(self, n: int) -> int:
-        return pick(self.prefill_buckets, n, "prompt length (tokens)")
-
-    def prefill_budget(self) -> int:
-        return min(self.max_prefill_tokens, self.prefill_buckets[-1])
-
-    def window_of(self, s: int) -> int | None:
-        """The window of prefill bucket ``s``'s windowed graph (``windowed_prefill``), or None."""
-        if self.windowed_prefill is not True:
-            return None
-        w = next((b for b in self.prefill_buckets if b * self.max_batch >= s), None)
-        return w if w is not None and 8 * w <= s and s % w == 0 else None
-
-    def encoder_rows(self, tower: str, n: int) -> int:
-        return pick(self.tower_buckets(tower), n, f"{tower} encoder input rows")
-
-    def decode_kv_len(self, n: int) -> int:
-        return pick(self.decode_kv_buckets, n, "decode KV-cache length (tokens)")
-
-    def decode_rows(self, n: int) -> int:
-        return pick(self.decode_batch_buckets, n, "decode rows (KV-cache slots)")
-
-    def prefill_rows(self, n: int) -> int:
-        return pick(self.decode_batch_buckets, max(n, 1), "prefill head rows (prompts)")
-
-    def max_media_rows(self) -> int:
-        largest = max([self.default_encoder_buckets[-1]] + [b[-1] for b in self.encoder_buckets.values()])
-        return self.max_model_len + largest
 
     # -- compile accounting ----------------------------------------------------------------
     @staticmethod
@@ -347,11 +237,11 @@ class XLAExecutor(Executor):
         warmup, say) are not counted."""
         return self._after
 
-    def step_begin(self) -> None:
+    def _step_begin(self) -> None:
         if self._after is not None:
             self._seen = self.compiled_graphs()
 
-    def step_done(self) -> None:
+    def _step_done(self) -> None:
         if not self._replayed:  # a replayed step is already running: a sync would only wait for it
             self._xla.sync()
         self._replayed = False

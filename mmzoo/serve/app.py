@@ -12,7 +12,7 @@ Then, with the ``openai`` package::
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}},
         {"type": "text", "text": "What shape is this?"}]}], temperature=0)
 
-Every bucket is compiled before the port opens (``executor.warmup=all``). Handlers only validate,
+Every bucket is compiled before the port opens (``warmup=all``). Handlers only validate,
 prepare on the host and enqueue; one :class:`~mmzoo.serve.loop.EngineLoop` thread owns the device.
 SIGINT / SIGTERM stop accepting connections, let the requests in flight finish (at most
 ``drain_timeout_s``), then exit 0.

@@ -3,7 +3,7 @@
 HTTP handlers never touch the executor. They prepare a request on the host (validation, media
 decoding, tokenizing), then :meth:`EngineLoop.submit` it and read its tokens from a
 :class:`Stream`. The loop thread admits what arrived into the running
-:class:`~mmzoo.executor.base.Generation` before every step, so a request that arrives while
+:class:`~mmzoo.executor.loop.Generation` before every step, so a request that arrives while
 others decode joins the batch at the next step (continuous batching); a cancelled one (a client
 gone, a stop string matched) frees its KV-cache slot at once.
 """
@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from mmzoo.executor.base import Generation
+from mmzoo.executor.loop import Generation
 from mmzoo.executor.scheduler import Sequence
 from mmzoo.types import Prepared, Result
 

@@ -1,0 +1,278 @@
+"""The generation loop: continuous batching over a runner's KV-cache slots.
+
+Each :meth:`Generation.step` admits waiting requests into free slots (the
+:class:`~mmzoo.executor.scheduler.Scheduler` decides who), packs the admitted prompts into prefill
+steps within the token budget and the media buffer (:func:`prefill_groups`), encodes their media
+and prefills them, then decodes one token for every running sequence. The runner
+(:class:`~mmzoo.executor.base.Executor`) only runs steps; every size comes from its
+:class:`~mmzoo.executor.buckets.Buckets`.
+
+One decode step stays in flight: step N+1 is launched (its input tokens taken from step N's device
+output) before step N's tokens are read back, so the host's per-step work overlaps the device's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from mmzoo.errors import MmzooError
+from mmzoo.executor.buckets import Buckets
+from mmzoo.executor.scheduler import Drain, Scheduler, Sequence
+from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling
+from mmzoo.types import Prepared, Result
+
+
+def sampling_for(seqs: dict[int, Sequence], rows: int) -> Sampling:
+    """Row ``i``'s sampling parameters from ``seqs[i]``'s request, with one uniform draw from its
+    own seeded generator when it samples (so its tokens do not depend on its batch)."""
+    s = Sampling.greedy_rows(rows)
+    for row, seq in seqs.items():
+        r = seq.request
+        s.temperature[row], s.top_k[row], s.top_p[row] = r.temperature, r.top_k, r.top_p
+        s.uniform[row] = seq.rng.random() if r.temperature > 0 else 0.0
+    return s
+
+
+def decode_inputs(buckets: Buckets, seqs: dict[int, Sequence], from_prev: set[int] = frozenset()) -> DecodeInputs:
+    """The decode step of the sequences in ``seqs`` (slot -> sequence); the ``from_prev`` slots
+    read their input token from the previous step's device output. The step runs the first
+    :meth:`~Buckets.rows` slots, enough for the highest of ``seqs``."""
+    inputs = DecodeInputs.zeros(buckets.rows(max(seqs) + 1), 1)  # unused slots: token 0 at position 0
+    for slot, seq in seqs.items():
+        use_prev = slot in from_prev
+        inputs.use_prev[slot], inputs.token[slot] = use_prev, 0 if use_prev else seq.last
+        inputs.write[slot], inputs.rope[slot] = seq.length, seq.length + seq.prepared.position_delta
+    inputs.kv_len = buckets.decode_kv_len(max(seq.length for seq in seqs.values()) + 1)
+    return inputs
+
+
+def prefill_groups(executor, prepared: list[Prepared]) -> list[list[int]]:
+    """Split prompts (each passing :meth:`~mmzoo.executor.base.Executor.check_prompt`) into
+    consecutive groups that one packed prefill step takes: at most ``max_batch``, their tokens
+    within the prefill budget and their media within the media buffer. A prompt over a budget
+    alone is a group of its own."""
+    groups: list[list[int]] = []
+    tokens = rows = 0
+    buckets = executor.buckets
+    budget, room = buckets.prefill_budget, buckets.media_rows
+    for i, p in enumerate(prepared):
+        try:
+            n, m = len(p.input_ids), sum(executor.media_rows(item) for item in p.media)
+        except MmzooError:  # media no bucket holds: the prompt fails alone, at its encode
+            n, m = len(p.input_ids), 0
+        if groups and len(groups[-1]) < buckets.max_batch and tokens + n <= budget and rows + m <= room:
+            groups[-1].append(i)
+            tokens, rows = tokens + n, rows + m
+        else:
+            groups.append([i])
+            tokens, rows = n, m
+    return groups
+
+
+class Generation:
+    """One continuous-batching run on an executor: requests join whenever they come (a server adds
+    them as they arrive), each :meth:`step` admits waiting ones into free KV-cache slots (their
+    prefill) and decodes one token for every running one, and a finished or cancelled sequence
+    frees its slot at once for the next waiting request.
+
+    One decode step stays in flight: step N+1 is launched (its input tokens taken from step N's
+    device output) before step N's tokens are read back. A sequence that stops at step N has had
+    step N+1 computed for it too; that token is dropped (the next prompt in its slot writes over
+    its key and value, or attention hides them).
+
+    Not thread-safe: one thread drives it (:meth:`add`, :meth:`cancel`, :meth:`step`).
+
+    Args:
+        executor: a set-up executor.
+        decode_text: token ids -> text, for a finished result.
+        on_done: called with each sequence when it finishes, fails or is cancelled.
+        on_token: called with a sequence and each new token as it is read back.
+    """
+
+    def __init__(self, executor, *, decode_text: Callable[[list[int]], str],
+                 on_done: Callable[[Sequence], None] | None = None,
+                 on_token: Callable[[Sequence, int], None] | None = None):
+        if executor.model is None:
+            raise RuntimeError("call setup(model) before generating")
+        self.exe, self.decode_text, self.on_done, self.on_token = executor, decode_text, on_done, on_token
+        self.buckets: Buckets = executor.buckets
+        self.sched = Scheduler(executor.max_batch, executor.max_model_len, executor.eos)
+        self.inflight = None  # (token ids on the device, [(slot, seq, tokens cached after the step)])
+        self._added = 0
+
+    @property
+    def busy(self) -> bool:
+        """Something is waiting, running or still on the device."""
+        return not self.sched.done or self.inflight is not None
+
+    def add(self, prepared: Prepared, *, index: int | None = None) -> Sequence:
+        """Queue a request; it is admitted at a coming :meth:`step` (in arrival order)."""
+        req = prepared.request
+        result = Result(id=req.id, prompt=req.prompt, prompt_token_ids=(
+            [] if req.inputs_embeds is not None else [int(t) for t in prepared.input_ids]))
+        seq = Sequence(prepared=prepared, result=result, index=self._added if index is None else index,
+                       rng=np.random.default_rng(req.seed))
+        self._added += 1
+        self.sched.add(seq)
+        return seq
+
+    def cancel(self, seq: Sequence, reason: str = "abort") -> None:
+        """Stop ``seq`` now (a client went away, a stop string matched): its slot is free for the
+        next waiting request, its result ends with ``finish_reason=reason``."""
+        if seq.result.finish_reason or seq.result.error:  # over already
+            return
+        if seq in self.sched.waiting:
+            self.sched.waiting.remove(seq)
+        self.sched.drop(seq)
+        seq.result.finish_reason = reason
+        seq.result.text = self.decode_text(seq.result.token_ids)
+        self._done(seq)
+
+    def drain(self) -> None:
+        """Admit nothing more: the waiting sequences leave the queue (not finished); the running
+        ones go on."""
+        self.sched.waiting.clear()
+
+    def step(self) -> None:
+        """Admit what fits (prefill, first token), then one decode step for every running sequence."""
+        exe, sched = self.exe, self.sched
+        admitted = []
+        for seq in sched.admit():
+            try:
+                exe.check_prompt(seq.prepared)
+                admitted.append(seq)
+            except MmzooError as e:
+                self._fail(seq, e)
+        for group in prefill_groups(exe, [seq.prepared for seq in admitted]):
+            self._prefill([admitted[i] for i in group])
+        inflight = self.inflight
+        flying = {slot: seq for slot, seq, _ in inflight[1]} if inflight else {}
+        ahead = {slot for slot, seq in sched.running.items() if flying.get(slot) is seq}  # a token in flight
+        go = sched.to_decode(ahead)
+        launched = None
+        if go:
+            inputs = decode_inputs(self.buckets, go, ahead & set(go))
+            out = exe.decode(inputs, sampling_for(go, len(inputs.token)), prev=inflight[0] if inflight else None)
+            for seq in go.values():
+                seq.length += 1
+            launched = (out, [(slot, seq, seq.length) for slot, seq in go.items()])
+        if inflight:
+            tokens = inflight[0].cpu().numpy()
+            for slot, seq, cached in inflight[1]:
+                if sched.running.get(slot) is seq:
+                    self._emit(seq, int(tokens[slot]), cached)
+        self.inflight = launched
+
+    def settle(self) -> None:
+        """Wait for a launched step whose tokens nobody will read (a run stopped early)."""
+        if self.inflight is not None:
+            self.inflight[0].cpu()
+            self.inflight = None
+
+    # -- inside a step ---------------------------------------------------------------------------
+    def _pack(self, seqs: list[Sequence]) -> tuple[PrefillInputs | None, dict[int, MmzooError]]:
+        """``seqs`` (one :func:`prefill_groups` group) packed into their prefill bucket, their media
+        encoded one after another into the media buffer. A prompt whose media fail is left out,
+        with its error under its index; None when none is left."""
+        packed, failed, offset = [], {}, 0
+        for i, seq in enumerate(seqs):
+            p = seq.prepared
+            try:
+                index, written = self.exe.encode_prompt(p, offset)
+            except MmzooError as e:
+                failed[i] = e
+                continue
+            offset += written
+            packed.append((p.input_ids, p.positions, index, seq.slot))
+        if not packed:
+            return None, failed
+        s = self.buckets.prefill_len(sum(len(ids) for ids, *_ in packed))
+        inputs = PrefillInputs.pack(s, self.exe.max_batch, self.exe.max_model_len, packed)
+        inputs.window = self.buckets.prefill_window(s, max(len(ids) for ids, *_ in packed))
+        return inputs, failed
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """One packed prefill step for ``seqs``; each gets its first token (or its error)."""
+        try:
+            inputs, failed = self._pack(seqs)
+            for i, e in failed.items():
+                self._fail(seqs[i], e)
+            seqs = [seq for i, seq in enumerate(seqs) if i not in failed]
+            if inputs is None:
+                return
+            sampling = sampling_for(dict(enumerate(seqs)), self.buckets.head_rows(len(seqs)))
+            tokens = self.exe.prefill(inputs, sampling).cpu().numpy()
+        except MmzooError as e:
+            for seq in seqs:
+                self._fail(seq, e)
+            return
+        now = time.perf_counter() - self.sched.t0
+        for seq, token in zip(seqs, tokens):
+            seq.result.ttft_s = now - seq.t_added
+            self._emit(seq, int(token), seq.length)
+
+    def _emit(self, seq: Sequence, token: int, cached: int) -> None:
+        finished = self.sched.emit(seq, token, cached, self.decode_text)
+        if self.on_token:
+            self.on_token(seq, token)
+        if finished:
+            self._done(seq)
+
+    def _fail(self, seq: Sequence, error: MmzooError) -> None:
+        self.sched.drop(seq)
+        seq.result.error = str(error)
+        self._done(seq)
+
+    def _done(self, seq: Sequence) -> None:
+        r = seq.result
+        r.latency_s = time.perf_counter() - self.sched.t0 - seq.t_added
+        r.graphs_compiled_after_warmup = self.exe.graphs_since_warmup()
+        if self.on_done:
+            self.on_done(seq)
+
+
+def generate(executor, prepared: list[Prepared], *, decode_text: Callable[[list[int]], str],
+             on_result: Callable[[Result], None] | None = None, stop: Drain | None = None) -> list[Result]:
+    """Generate for every request on ``executor``, ``max_batch`` at a time, refilling slots as
+    sequences finish.
+
+    Results come back in request order; ``on_result`` is called as each one finishes. A request
+    that cannot run (too long, bad parameters) gets a result with ``error`` and the rest go on.
+    Once ``stop`` is set nothing more is admitted; the requests that did not finish come back
+    with ``finish_reason="abort"`` (not passed to ``on_result``).
+    """
+    results: list[Result | None] = [None] * len(prepared)
+    bar = None
+    if executor.progress:
+        from mmzoo.executor.progress import Progress
+
+        bar = Progress(len(prepared))
+
+    def done(seq: Sequence) -> None:
+        results[seq.index] = seq.result
+        if bar:
+            bar.update(seq.result)
+        if on_result:
+            on_result(seq.result)
+
+    run = Generation(executor, decode_text=decode_text, on_done=done)
+    for i, p in enumerate(prepared):
+        run.add(p, index=i)
+    while run.busy:
+        if stop is not None and stop.draining:
+            run.drain()
+            if stop.expired or not run.sched.running:
+                break
+        run.step()
+    run.settle()
+    if bar:
+        bar.close()
+    for i, r in enumerate(results):
+        if r is None:
+            p = prepared[i]
+            results[i] = Result(id=p.request.id, prompt=p.request.prompt, finish_reason="abort",
+                                error="stopped before it finished")
+    return results

@@ -101,6 +101,10 @@ class Engine:
         if request.max_new_tokens >= max_len:
             raise MmzooError(f"max_new_tokens={request.max_new_tokens} can never be reached: max_model_len={max_len} "
                              f"holds the prompt and the generated tokens together")
+        top = self.executor.max_logprobs
+        if request.logprobs is not None and (request.logprobs > top or top == 0):
+            raise MmzooError(f"logprobs={request.logprobs} is more than this engine computes: executor.max_logprobs="
+                             f"{top}" + (" (log-probabilities are off)" if top == 0 else ""))
         vocab = self.model.lm.vocab_size
         for name in ("prompt_token_ids", "stop_token_ids"):
             ids = getattr(request, name) or []

@@ -54,6 +54,9 @@ class Request:
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0  # 1: no nucleus cut
     seed: _NonNeg | None = None  # per-request sampling seed
     stop_token_ids: list[_NonNeg] = field(default_factory=list)  # stop (inclusive) at any of these, besides EOS
+    # per generated token, its log-probability and those of the n most likely tokens (vLLM's
+    # SamplingParams.logprobs; 0: the token's own only; None: none), up to the executor's max_logprobs
+    logprobs: _NonNeg | None = None
     id: _Int | Annotated[str, Strict()] | None = None
     # -- other input modes (see README "Input modes") --
     prompt_token_ids: Annotated[list[_NonNeg], Field(min_length=1)] | None = None  # already tokenized (no chat template)
@@ -178,9 +181,13 @@ class Result:
     token_times_s: list[float] = field(default_factory=list, repr=False)  # arrival of each token
     graphs_compiled_after_warmup: int = 0
     error: str | None = None
+    # with Request.logprobs: one entry per generated token, {"token_id", "logprob", "top_logprobs":
+    # [[token_id, logprob], ...] (the most likely first)}, from the log-softmax of the raw logits
+    logprobs: list[dict] | None = None
 
     def to_json(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "token_times_s"}
-        if out["error"] is None:
-            del out["error"]
+        for key in ("error", "logprobs"):
+            if out[key] is None:
+                del out[key]
         return out

@@ -16,7 +16,8 @@ EXECUTORS = ("eager", "xla")
 # XLA options of the families whose tower rows are whole items (Llava's images, Qwen2-Audio's clips):
 # one 64-row encoder bucket, two slots, graphs compiled on first use
 XLA = {"progress": False, "warmup": False, "buckets": {"min_encoder_rows": 64, "max_encoder_rows": 64}, "max_batch": 2}
-GEN = {"max_new_tokens": 16, "ignore_eos": True}  # 16 greedy tokens, EOS off as in :func:`reference`
+GEN = {"max_new_tokens": 16, "ignore_eos": True}
+LOGPROBS = 5  # alternatives per generated token the parity test compares  # 16 greedy tokens, EOS off as in :func:`reference`
 
 _ENGINES: dict = {}
 
@@ -31,7 +32,8 @@ def engine(ckpt, executor: str, attention: str = "sdpa", **xla):
 
 
 def reference(ckpt, hf_class: str, kind: str, files: list[str], counts, prompt, new_tokens: int = 16) -> dict:
-    """transformers' prompt ids, prefill logits and greedy tokens (EOS disabled) per item count.
+    """transformers' prompt ids, prefill logits, greedy tokens (EOS disabled) and each generated
+    token's log-probability with the :data:`LOGPROBS` most likely ones, per item count.
 
     Args:
         hf_class: the transformers class name (``"LlavaForConditionalGeneration"``).
@@ -61,9 +63,16 @@ def reference(ckpt, hf_class: str, kind: str, files: list[str], counts, prompt, 
             inputs = processor(text=[chat], images=[Image.open(f).convert("RGB") for f in files[:n]] or None, return_tensors="pt")
         with torch.no_grad():
             logits = model(**inputs).logits[0].float().numpy()
-            gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True)
         ids = inputs["input_ids"][0].tolist()
-        out[n] = {"ids": ids, "logits": logits, "tokens": gen[0, len(ids):].tolist()}
+        tokens = gen.sequences[0, len(ids):].tolist()
+        # each generated token's log-probability and the LOGPROBS most likely: the raw logits' log-softmax
+        steps = torch.log_softmax(torch.cat(gen.logits).float(), dim=-1)
+        top = steps.topk(LOGPROBS, dim=-1)
+        out[n] = {"ids": ids, "logits": logits, "tokens": tokens,
+                  "logprobs": steps.gather(-1, torch.tensor(tokens)[:, None])[:, 0].numpy(),
+                  "top_logprobs": top.values.numpy(), "top_ids": top.indices.numpy()}
     return out
 
 

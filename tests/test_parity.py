@@ -89,7 +89,16 @@ def test_matches_transformers(request, family, executor, attention, n):
     prepared = engine.prepare(mmzoo.Request(**req))
     assert prepared.input_ids.tolist() == ref["ids"]
     np.testing.assert_allclose(engine.executor.prompt_logits(prepared), ref["logits"], atol=1e-4, rtol=0)
-    result = engine.generate(mmzoo.Request(**req, max_new_tokens=16, ignore_eos=True))
+    result = engine.generate(mmzoo.Request(**req, max_new_tokens=16, ignore_eos=True, logprobs=parity.LOGPROBS))
     assert result.prompt_token_ids == ref["ids"]
     assert result.token_ids == ref["tokens"]
     assert result.finish_reason == "length"
+    # each token's log-probability and its alternatives', from the head's logits on the device
+    assert [e["token_id"] for e in result.logprobs] == ref["tokens"]
+    np.testing.assert_allclose([e["logprob"] for e in result.logprobs], ref["logprobs"], atol=1e-4, rtol=0)
+    top = np.array([[lp for _, lp in e["top_logprobs"]] for e in result.logprobs])
+    np.testing.assert_allclose(top, ref["top_logprobs"], atol=1e-4, rtol=0)
+    ids = np.array([[i for i, _ in e["top_logprobs"]] for e in result.logprobs])
+    apart = np.abs(np.diff(ref["top_logprobs"], axis=1)) > 1e-4  # ranks a near-tie does not blur
+    firm = np.concatenate([apart[:, :1], apart[:, 1:] & apart[:, :-1], apart[:, -1:]], axis=1)
+    assert (ids == ref["top_ids"])[firm].all()

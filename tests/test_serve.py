@@ -19,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 
@@ -152,6 +153,42 @@ def test_completions_and_models(xla_server, offline):
     assert r.choices[0].model_extra["token_ids"] == want
     assert r.usage.prompt_tokens == len(ids)
     assert [m.id for m in xla_server.client.models.list().data] == ["tiny"]
+
+
+def test_logprobs_in_openai_shapes(xla_server, offline, image_files):
+    """Chat (``logprobs``, ``top_logprobs``), a streamed chat and completions (``logprobs=k``) carry
+    each token's log-probability and its alternatives', equal to the engine's own
+    (``Request.logprobs``), in OpenAI's shapes."""
+    engine = offline.engine
+    text = engine.processor.tokenizer.decode
+    want = engine.generate("What is in the image?", images=[image_files[0]], max_new_tokens=6, logprobs=2).logprobs
+    kw = dict(model="tiny", messages=_chat(_data_url(image_files[0]), "What is in the image?"), temperature=0,
+              max_tokens=6, logprobs=True, top_logprobs=2)
+    content = xla_server.client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = [c for chunk in xla_server.client.chat.completions.create(**kw, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    for got in (content, streamed):
+        assert [c.token for c in got] == [text([e["token_id"]]) for e in want]
+        assert [c.logprob for c in got] == pytest.approx([e["logprob"] for e in want], abs=1e-4)
+        assert [[t.token for t in c.top_logprobs] for c in got] == [[text([i]) for i, _ in e["top_logprobs"]]
+                                                                    for e in want]
+        assert [[t.logprob for t in c.top_logprobs] for c in got] == [
+            pytest.approx([lp for _, lp in e["top_logprobs"]], abs=1e-4) for e in want]
+        assert all(c.bytes == list(c.token.encode()) for c in got)
+    ids = engine.processor.tokenizer("Once upon a time")["input_ids"]
+    want = engine.generate({"prompt_token_ids": ids, "max_new_tokens": 5, "logprobs": 3}).logprobs
+    lp = xla_server.client.completions.create(model="tiny", prompt="Once upon a time", temperature=0, max_tokens=5,
+                                              logprobs=3).choices[0].logprobs
+    assert lp.tokens == [text([e["token_id"]]) for e in want]
+    assert lp.token_logprobs == pytest.approx([e["logprob"] for e in want], abs=1e-4)
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+    for alternatives, e in zip(lp.top_logprobs, want):  # the 3 likeliest and the sampled token, by text
+        assert alternatives[text([e["token_id"]])] == pytest.approx(e["logprob"], abs=1e-4)
+        assert set(alternatives) == {text([i]) for i, _ in e["top_logprobs"]} | {text([e["token_id"]])}
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs=true"):
+        xla_server.client.chat.completions.create(model="tiny", messages=_chat(None, "hi"), top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs=21 is more than this engine computes"):
+        xla_server.client.completions.create(model="tiny", prompt="hi", logprobs=21)
 
 
 def test_sixteen_concurrent_clients_match_offline_with_no_compiles(xla_server, offline, image_files):

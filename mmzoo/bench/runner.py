@@ -356,7 +356,7 @@ def decode_breakdown(engine, steps: int) -> dict:
         cut()
         sync.append(time.perf_counter() - t)
 
-    exe.decode(decode_inputs(exe.buckets, {0: seq})).cpu()  # one untimed step
+    exe.decode(decode_inputs(exe.buckets, {0: seq})).tokens.cpu()  # one untimed step
     torch_xla.sync()
     before = {n: timer(n) for n in names}
     trace, wait = [], []
@@ -366,7 +366,7 @@ def decode_breakdown(engine, steps: int) -> dict:
             t0 = time.perf_counter()
             out = exe.decode(decode_inputs(exe.buckets, {0: seq}))
             t1 = time.perf_counter()
-            out.cpu()
+            out.tokens.cpu()
             t2 = time.perf_counter()
             trace.append(t1 - t0 - sync[-1])
             wait.append(t2 - t1)

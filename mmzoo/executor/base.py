@@ -22,7 +22,7 @@ XLA executors differ only in the hooks at the top of :class:`Executor`.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -30,9 +30,18 @@ import torch
 from mmzoo.buckets import round_up
 from mmzoo.errors import MmzooError
 from mmzoo.executor.buckets import Buckets
-from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling, decode_step, encode_step, head_step, prefill_step
+from mmzoo.executor.steps import (DecodeInputs, PrefillInputs, Sampling, decode_step, encode_step, head_step,
+                                  logprobs_step, prefill_step)
 from mmzoo.lms import KVCache
 from mmzoo.types import DTYPES, Prepared, TowerInput
+
+
+class StepOut(NamedTuple):
+    """What a head or decode step leaves on the device: its tokens (a decode step's: one per slot)
+    and the float32 logits of its rows, which :meth:`Executor.logprobs` reads when asked."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
 
 
 class Executor:
@@ -44,6 +53,8 @@ class Executor:
         max_prefill_tokens: prompt tokens one prefill step takes (vLLM's ``max_num_batched_tokens``):
             prompts admitted together are packed into one step up to this many (None:
             ``max_model_len``).
+        max_logprobs: the most alternatives a request may ask log-probabilities of (vLLM's
+            ``max_logprobs``): every logprobs step computes this many; 0: no logprobs.
         progress: show a progress bar over requests.
 
     Attributes:
@@ -56,9 +67,12 @@ class Executor:
     do_warmup = False
 
     def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, max_prefill_tokens: int | None = None,
-                 progress: bool = False):
+                 max_logprobs: int = 20, progress: bool = False):
         if max_model_len <= 0 or max_batch <= 0:
             raise ValueError(f"max_model_len={max_model_len} and max_batch={max_batch} must be positive")
+        if not 0 <= max_logprobs <= 1024:
+            raise ValueError(f"max_logprobs={max_logprobs} must lie in [0, 1024]")
+        self.max_logprobs = max_logprobs
         if max_prefill_tokens is not None and max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens} must be positive")
         self.max_model_len, self.max_batch, self.progress = max_model_len, max_batch, progress
@@ -300,7 +314,7 @@ class Executor:
 
     # -- prefill and decode ------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, inputs: PrefillInputs, sampling: Sampling) -> torch.Tensor:
+    def prefill(self, inputs: PrefillInputs, sampling: Sampling) -> StepOut:
         """The packed prompts into their cache slots; returns each prompt's first token
         ``[len(sampling.top_k)]`` (a head-rows bucket, on the device; the first ``inputs.count``
         are real). Two steps: :meth:`prefill_hidden`, then :meth:`prefill_head`."""
@@ -321,22 +335,22 @@ class Executor:
         return hidden
 
     @torch.no_grad()
-    def prefill_head(self, hidden: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    def prefill_head(self, hidden: torch.Tensor, sampling: Sampling) -> StepOut:
         """The head's step of a prefill: the first token of the first ``len(sampling.top_k)``
         prompts from :meth:`prefill_hidden`'s output -> ``[rows]`` (on the device)."""
         rows = len(sampling.top_k)
         extra = [] if sampling.greedy else [self._tensor(sampling.top_k), self._tensor(sampling.floats())]
 
         def step(hidden, *extra):
-            return (head_step(self.model, rows, hidden, *extra),)
+            return head_step(self.model, rows, hidden, *extra)
 
-        (tokens,) = self.run_step(("head", rows, sampling.greedy), step, [hidden] + extra, None)
+        tokens, logits = self.run_step(("head", rows, sampling.greedy), step, [hidden] + extra, None)
         self._step_done()
-        return tokens
+        return StepOut(tokens, logits)
 
     @torch.no_grad()
     def decode(self, inputs: DecodeInputs, sampling: Sampling | None = None,
-               prev: torch.Tensor | None = None) -> torch.Tensor:
+               prev: torch.Tensor | None = None) -> StepOut:
         """One token for each of the first ``len(inputs.token)`` slots -> ``[max_batch]`` (on the
         device; the slots past those keep ``prev``'s); ``prev`` is the previous step's output,
         read by the ``use_prev`` slots. The step is launched, not waited for."""
@@ -349,12 +363,26 @@ class Executor:
         kv_len = inputs.kv_len
 
         def step(prev, rows, *floats):
-            return (decode_step(self.model, self.cache, kv_len, prev, rows, *floats),)
+            return decode_step(self.model, self.cache, kv_len, prev, rows, *floats)
 
-        (tokens,) = self.run_step(("decode", sampling.greedy, kv_len, b), step,
-                                  [prev, self._tensor(rows)] + floats, "cache")
+        tokens, logits = self.run_step(("decode", sampling.greedy, kv_len, b), step,
+                                       [prev, self._tensor(rows)] + floats, "cache")
         self._step_done()
-        return tokens
+        return StepOut(tokens, logits)
+
+    @torch.no_grad()
+    def logprobs(self, out: StepOut) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The log-probabilities of a head or decode step's rows (:func:`~mmzoo.executor.steps.logprobs_step`,
+        a graph per rows and token count): the picked tokens' ``[r]``, and the ``max_logprobs``
+        most likely ids ``[r, k]`` with theirs ``[r, k]``, read back to the host."""
+        rows, k = out.logits.shape[0], self.max_logprobs
+
+        def step(logits, tokens):
+            return logprobs_step(k, logits, tokens)
+
+        result = self.run_step(("logprobs", rows, out.tokens.shape[0], k), step, [out.logits, out.tokens], None)
+        self._step_done()
+        return tuple(t.cpu().numpy() for t in result)
 
     @torch.no_grad()
     def prompt_logits(self, prepared: Prepared) -> np.ndarray:

@@ -25,6 +25,10 @@ from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling
 from mmzoo.types import Prepared, Result
 
 
+def _wants_logprobs(seq: Sequence) -> bool:
+    return seq.request.logprobs is not None
+
+
 def sampling_for(seqs: dict[int, Sequence], rows: int) -> Sampling:
     """Row ``i``'s sampling parameters from ``seqs[i]``'s request, with one uniform draw from its
     own seeded generator when it samples (so its tokens do not depend on its batch)."""
@@ -100,7 +104,7 @@ class Generation:
         self.exe, self.decode_text, self.on_done, self.on_token = executor, decode_text, on_done, on_token
         self.buckets: Buckets = executor.buckets
         self.sched = Scheduler(executor.max_batch, executor.max_model_len, executor.eos)
-        self.inflight = None  # (token ids on the device, [(slot, seq, tokens cached after the step)])
+        self.inflight = None  # (the step's StepOut on the device, [(slot, seq, tokens cached after the step)])
         self._added = 0
 
     @property
@@ -112,7 +116,8 @@ class Generation:
         """Queue a request; it is admitted at a coming :meth:`step` (in arrival order)."""
         req = prepared.request
         result = Result(id=req.id, prompt=req.prompt, prompt_token_ids=(
-            [] if req.inputs_embeds is not None else [int(t) for t in prepared.input_ids]))
+            [] if req.inputs_embeds is not None else [int(t) for t in prepared.input_ids]),
+            logprobs=[] if req.logprobs is not None else None)
         seq = Sequence(prepared=prepared, result=result, index=self._added if index is None else index,
                        rng=np.random.default_rng(req.seed))
         self._added += 1
@@ -155,21 +160,24 @@ class Generation:
         launched = None
         if go:
             inputs = decode_inputs(self.buckets, go, ahead & set(go))
-            out = exe.decode(inputs, sampling_for(go, len(inputs.token)), prev=inflight[0] if inflight else None)
+            out = exe.decode(inputs, sampling_for(go, len(inputs.token)), prev=inflight[0].tokens if inflight else None)
             for seq in go.values():
                 seq.length += 1
             launched = (out, [(slot, seq, seq.length) for slot, seq in go.items()])
         if inflight:
-            tokens = inflight[0].cpu().numpy()
-            for slot, seq, cached in inflight[1]:
+            out, ran = inflight
+            tokens = out.tokens.cpu().numpy()
+            wanted = any(_wants_logprobs(seq) and sched.running.get(slot) is seq for slot, seq, _ in ran)
+            logprobs = exe.logprobs(out) if wanted else None
+            for slot, seq, cached in ran:
                 if sched.running.get(slot) is seq:
-                    self._emit(seq, int(tokens[slot]), cached)
+                    self._emit(seq, int(tokens[slot]), cached, logprobs, slot)
         self.inflight = launched
 
     def settle(self) -> None:
         """Wait for a launched step whose tokens nobody will read (a run stopped early)."""
         if self.inflight is not None:
-            self.inflight[0].cpu()
+            self.inflight[0].tokens.cpu()
             self.inflight = None
 
     # -- inside a step ---------------------------------------------------------------------------
@@ -204,17 +212,26 @@ class Generation:
             if inputs is None:
                 return
             sampling = sampling_for(dict(enumerate(seqs)), self.buckets.head_rows(len(seqs)))
-            tokens = self.exe.prefill(inputs, sampling).cpu().numpy()
+            out = self.exe.prefill(inputs, sampling)
+            tokens = out.tokens.cpu().numpy()
+            logprobs = self.exe.logprobs(out) if any(_wants_logprobs(seq) for seq in seqs) else None
         except MmzooError as e:
             for seq in seqs:
                 self._fail(seq, e)
             return
         now = time.perf_counter() - self.sched.t0
-        for seq, token in zip(seqs, tokens):
+        for row, (seq, token) in enumerate(zip(seqs, tokens)):
             seq.result.ttft_s = now - seq.t_added
-            self._emit(seq, int(token), seq.length)
+            self._emit(seq, int(token), seq.length, logprobs, row)
 
-    def _emit(self, seq: Sequence, token: int, cached: int) -> None:
+    def _emit(self, seq: Sequence, token: int, cached: int, logprobs=None, row: int = 0) -> None:
+        """Hand ``token`` to ``seq`` (with its log-probabilities from row ``row`` of ``logprobs``,
+        :meth:`~mmzoo.executor.base.Executor.logprobs`, when its request asks for them)."""
+        if logprobs is not None and _wants_logprobs(seq):
+            picked, ids, values = logprobs
+            k = seq.request.logprobs
+            seq.result.logprobs.append({"token_id": token, "logprob": float(picked[row]),
+                                        "top_logprobs": [[int(i), float(v)] for i, v in zip(ids[row, :k], values[row, :k])]})
         finished = self.sched.emit(seq, token, cached, self.decode_text)
         if self.on_token:
             self.on_token(seq, token)

@@ -178,22 +178,24 @@ def prefill_step(model, cache, window: int | None, tokens: torch.Tensor, prompts
     return hidden[0]
 
 
-def head_step(model, rows: int, hidden: torch.Tensor, *sampling: torch.Tensor) -> torch.Tensor:
+def head_step(model, rows: int, hidden: torch.Tensor, *sampling: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The first token of a prefill step's first ``rows`` prompts from :func:`prefill_step`'s
     ``hidden [prompts, dim]``: the final norm, the LM head, then the greedy head, or the sampling
-    head with ``sampling = (top_k [rows], floats [3, rows])`` (:meth:`Sampling.floats`) -> ``[rows]``."""
+    head with ``sampling = (top_k [rows], floats [3, rows])`` (:meth:`Sampling.floats`) -> tokens
+    ``[rows]`` and their float32 logits ``[rows, vocab]`` (for :func:`logprobs_step`)."""
     logits = model.lm.logits(hidden[:rows])
     if not sampling:
-        return greedy(logits)
+        return greedy(logits), logits
     top_k, floats = sampling
-    return _head(logits, top_k, (floats,))
+    return _head(logits, top_k, (floats,)), logits
 
 
-def decode_step(model, cache, kv_len: int, prev: torch.Tensor, rows: torch.Tensor, *floats: torch.Tensor) -> torch.Tensor:
+def decode_step(model, cache, kv_len: int, prev: torch.Tensor, rows: torch.Tensor,
+                *floats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of the first ``b`` slots, ``rows`` being :meth:`DecodeInputs.rows`
     ``[5, b]`` on the device and ``prev`` the previous step's output ``[slots]`` (the input token
     of the ``use_prev`` slots) -> ``[slots]``: the new tokens, then ``prev``'s past ``b`` (so every
-    step's output has one shape, whatever its rows)."""
+    step's output has one shape, whatever its rows); and the float32 logits ``[b, vocab]``."""
     use_prev, token, write, rope, top_k = (rows[DECODE_ROWS.index(n)] for n in DECODE_ROWS)
     b = rows.shape[1]
     axes = model.lm.rotary.num_axes
@@ -202,4 +204,16 @@ def decode_step(model, cache, kv_len: int, prev: torch.Tensor, rows: torch.Tenso
     logits = model(tokens, positions, cache=cache.decode(write[:, None], kv_len),
                    attn_kwargs={"q_positions": write[:, None]}, logits_index=torch.zeros_like(write))
     out = _head(logits, top_k, floats)
-    return out if b == prev.shape[0] else torch.cat([out, prev[b:]])
+    return (out if b == prev.shape[0] else torch.cat([out, prev[b:]])), logits
+
+
+def logprobs_step(k: int, logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Log-probabilities of a head's or decode step's rows (vLLM's TPU runner gathers them in a
+    graph of their own the same way): ``logits [r, vocab]`` float32 and the tokens picked from them
+    (``tokens``' first ``r``) -> the picked tokens' log-probabilities ``[r]`` and the ``k`` most
+    likely tokens ``[r, k]`` with theirs ``[r, k]``, from the log-softmax of the raw logits (before
+    temperature and the top-k / top-p cuts: vLLM's default)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    picked = logp.gather(-1, tokens[: logits.shape[0], None]).squeeze(-1)
+    values, ids = logp.topk(k, dim=-1)
+    return picked, ids, values

@@ -4,7 +4,8 @@ Two plans. :func:`plan` enumerates every graph of the executor's buckets (``warm
 server, the benchmark, where requests come later): each tower at each input-row bucket, the
 precomputed-embeddings write at each row bucket, the prompts' layers at each prefill bucket (and
 a bucket's windowed graph, where it has one), the prefill's head at each row bucket and the
-decode step at each KV-length and row bucket, the last two with a greedy and a sampling head. :func:`needed` takes
+decode step at each KV-length and row bucket, the last two with a greedy and a sampling head, and the
+logprobs step at each row bucket (with ``max_logprobs``). :func:`needed` takes
 prepared requests and returns only the graphs they can hit (``warmup=needed``: a one-shot CLI run
 or a requests file, known up front). :func:`run` compiles a plan on all-padding typed inputs.
 """
@@ -17,6 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from mmzoo.executor.base import StepOut
 from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling
 from mmzoo.types import TowerInput
 
@@ -35,6 +37,8 @@ class Graph:
     rows: int | None = None
 
     def __str__(self) -> str:
+        if self.kind == "logprobs":
+            return f"logprobs b{self.rows}/{self.size}"
         head = "" if self.kind in ("encode", "embeds", "prefill") else "/greedy" if self.greedy else "/sample"
         window = f" w{self.window}" if self.window else ""
         if self.kind == "decode":
@@ -53,7 +57,16 @@ def plan(executor, towers: list[str]) -> list[Graph]:
     out += [Graph("prefill", s, window=w) for s in b.prefill for w in dict.fromkeys([None, b.window_of(s)])]
     out += [Graph("head", r, greedy=g, rows=r) for r in b.decode_rows for g in (True, False)]
     out += [Graph("decode", kv, greedy=g, rows=r) for r in b.decode_rows for kv in b.decode_kv for g in (True, False)]
+    if executor.max_logprobs:
+        out += sorted(set(_logprobs(executor, b.decode_rows, b.decode_rows)), key=lambda g: (g.rows, g.size))
     return out
+
+
+def _logprobs(executor, head_rows, decode_rows) -> list[Graph]:
+    """The logprobs graphs of heads of ``head_rows`` rows and decode steps of ``decode_rows`` rows
+    (a decode step's tokens are one per slot)."""
+    return ([Graph("logprobs", r, rows=r) for r in head_rows] +
+            [Graph("logprobs", executor.max_batch, rows=r) for r in decode_rows])
 
 
 def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
@@ -68,7 +81,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
 
     b = executor.buckets
     out: set[Graph] = set()
-    lo, hi, heads = None, 0, set()
+    lo, hi, heads, logprobs = None, 0, set(), False
     prompts = []  # (tokens, greedy) of each prompt that can run, in order
     for p in prepared:
         try:
@@ -83,6 +96,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
                 n, req = len(p.input_ids), p.request
                 greedy = not req.temperature > 0
                 executor.check_prompt(p)
+                logprobs = logprobs or req.logprobs is not None
                 if req.max_new_tokens > 1 and n + 1 < executor.max_model_len:
                     last = min(n + req.max_new_tokens, executor.max_model_len)
                     lo = n + 1 if lo is None else min(lo, n + 1)
@@ -118,7 +132,10 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
         # among them alone, sampling where a sampling one can be among them
         for kv in (k for k in b.decode_kv if first <= k <= last):
             out |= {Graph("decode", kv, greedy=g, rows=r) for g in heads for r in slots}
-    order = {"encode": 0, "embeds": 1, "prefill": 2, "head": 3, "decode": 4}
+    if logprobs:  # the rows of every head and decode step the run can take
+        out |= set(_logprobs(executor, {g.rows for g in out if g.kind == "head"},
+                             {g.rows for g in out if g.kind == "decode"}))
+    order = {"encode": 0, "embeds": 1, "prefill": 2, "head": 3, "decode": 4, "logprobs": 5}
     return sorted(out, key=lambda g: (order[g.kind], g.tower or "", g.rows or 0, g.size, g.window or 0, not g.greedy))
 
 
@@ -158,8 +175,14 @@ def run(executor, graphs: list[Graph], dummy_media: Callable[[str, int], TowerIn
             hidden = executor._tensor(np.zeros((executor.max_batch, executor.model.lm.dim), np.float32),
                                       executor.dtype)
             out = executor.prefill_head(hidden, _sampling(g.rows, g.greedy))
-        else:
+        elif g.kind == "decode":
             out = executor.decode(DecodeInputs.zeros(g.rows, g.size), _sampling(g.rows, g.greedy))
-        if g.kind in ("prefill", "head", "decode"):
+        else:
+            tokens = executor._tensor(np.zeros(g.size, np.int64))
+            logits = executor._tensor(np.zeros((g.rows, executor.model.lm.vocab_size), np.float32))
+            executor.logprobs(StepOut(tokens, logits))  # read back already
+        if g.kind == "prefill":
             out.cpu()
+        elif g.kind in ("head", "decode"):
+            out.tokens.cpu()
         executor.warm.add(g)

@@ -58,7 +58,9 @@ from mmzoo.serve.protocol import (
     ModelCard,
     ModelList,
     Usage,
+    chat_logprobs,
     chat_request,
+    completion_logprobs,
     finish_reason,
     new_id,
     now,
@@ -209,6 +211,9 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         msg = "; ".join(say(e) for e in errors[:3])
         return JSONResponse(_error_body(msg, param), status_code=400)
 
+    def token_text(token_id: int) -> str:
+        return engine.processor.tokenizer.decode([token_id])
+
     def check_model(name: str) -> None:
         if name != served_model_name:
             raise BadRequest(f"model {name!r} is not served here; this server serves {served_model_name!r}", "model")
@@ -226,10 +231,10 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
             raise
 
     async def generate(prepared, stops: list[str]):
-        """Yield ``(text delta, token id)`` per token (the delta may be empty: text held back, or a
-        token past a stop string's end is never yielded), then ``("", None, (finish_reason,
-        prompt_tokens, generated token ids))`` as the last item; a client that goes away cancels
-        the sequence."""
+        """Yield ``(text delta, token id, logprobs entry or None, None)`` per token (the delta may be
+        empty: text held back, or a token past a stop string's end is never yielded), then ``("",
+        None, None, (finish_reason, prompt_tokens, generated token ids))`` as the last item; a client
+        that goes away cancels the sequence."""
         check_open()  # again: the drain may have begun while the request was prepared
         stream = loop_.submit(prepared, asyncio.get_running_loop())
         text = TextStream(engine.decode, stops)
@@ -241,19 +246,20 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                     break
                 if text.stopped:
                     continue
-                delta = text.push(item)
+                token, logprob = item
+                delta = text.push(token)
                 if text.stopped:
                     loop_.cancel(stream, "stop")
-                yield delta, item, None
+                yield delta, token, logprob, None
             result = stream.result
             if result.error and not result.token_ids:
                 raise MmzooError(result.error)
             tail = text.flush()
             if tail:
-                yield tail, None, None
+                yield tail, None, None, None
             reason = "stop" if text.stopped else finish_reason(result.finish_reason)
             finished = True
-            yield "", None, (reason, len(prepared.input_ids), list(text.tokens))
+            yield "", None, None, (reason, len(prepared.input_ids), list(text.tokens))
         finally:
             if not finished:  # the client went away (or the handler failed): free the slot now
                 loop_.cancel(stream)
@@ -281,39 +287,50 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                 await collect
             return PlainTextResponse("", status_code=499)
         gone.cancel()
-        text, (reason, n_prompt, tokens) = collect.result()
+        text, (reason, n_prompt, tokens), entries = collect.result()
         if reason == "abort":  # cut by the drain timeout (a client that left gets no answer)
             raise ShuttingDown(f"the server is shutting down; the request was cut after drain_timeout_s="
                                f"{drain_timeout_s:g} with {len(tokens)} tokens generated")
         usage = Usage(prompt_tokens=n_prompt, completion_tokens=len(tokens), total_tokens=n_prompt + len(tokens))
         ids = tokens if body.return_token_ids else None
+        wants = body.top_logprob_count() is not None
         if kind == "chat":
+            lp = chat_logprobs(entries, token_text) if wants else None
             return ChatCompletion(id=rid, created=created, model=body.model, usage=usage, choices=[
-                ChatChoice(message=ChatMessageOut(content=text), finish_reason=reason, token_ids=ids)])
+                ChatChoice(message=ChatMessageOut(content=text), finish_reason=reason, logprobs=lp, token_ids=ids)])
+        lp = completion_logprobs(entries, token_text) if wants else None
         return Completion(id=rid, created=created, model=body.model, usage=usage,
-                          choices=[CompletionChoice(text=text, finish_reason=reason, token_ids=ids)])
+                          choices=[CompletionChoice(text=text, finish_reason=reason, logprobs=lp, token_ids=ids)])
 
     async def sse(kind, body, prepared, stops, rid, created) -> AsyncIterator[str]:
         def event(obj) -> str:
             return f"data: {obj.model_dump_json()}\n\n"
 
-        def chunk(delta: str | None, reason: str | None, first: bool = False, ids: list[int] | None = None):
+        sent = 0  # characters of text streamed so far (the completions logprobs' text_offset)
+
+        def chunk(delta: str | None, reason: str | None, first: bool = False, ids: list[int] | None = None,
+                  entry: dict | None = None):
             if kind == "chat":
+                lp = chat_logprobs([entry], token_text) if entry is not None else None
                 return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[ChunkChoice(
                     delta=Delta(role="assistant" if first else None, content=delta), finish_reason=reason,
-                    token_ids=ids)])
+                    logprobs=lp, token_ids=ids)])
+            lp = completion_logprobs([entry], token_text, sent) if entry is not None else None
             return Completion(id=rid, created=created, model=body.model,
-                              choices=[CompletionChoice(text=delta or "", finish_reason=reason, token_ids=ids)])
+                              choices=[CompletionChoice(text=delta or "", finish_reason=reason, logprobs=lp,
+                                                        token_ids=ids)])
 
+        per_token = body.return_token_ids or body.top_logprob_count() is not None
         try:
             if kind == "chat":
                 yield event(chunk("", None, first=True))
-            async for delta, token, end in generate(prepared, stops):
+            async for delta, token, entry, end in generate(prepared, stops):
                 if end is None:
-                    if body.return_token_ids and token is not None:  # a chunk per token, with its id
-                        yield event(chunk(delta, None, ids=[token]))
+                    if per_token and token is not None:  # a chunk per token, with its id and logprobs
+                        yield event(chunk(delta, None, ids=[token] if body.return_token_ids else None, entry=entry))
                     elif delta:
                         yield event(chunk(delta, None))
+                    sent += len(delta)
                     continue
                 reason, n_prompt, tokens = end
                 n_out = len(tokens)
@@ -387,13 +404,16 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
     return app
 
 
-async def _collect(gen) -> tuple[str, tuple]:
-    parts, end = [], None
-    async for delta, _, fin in gen:
+async def _collect(gen) -> tuple[str, tuple, list[dict]]:
+    """The whole text, the end tuple and the tokens' logprobs entries of :func:`generate`'s items."""
+    parts, end, entries = [], None, []
+    async for delta, _, entry, fin in gen:
         parts.append(delta)
+        if entry is not None:
+            entries.append(entry)
         if fin is not None:
             end = fin
-    return "".join(parts), end
+    return "".join(parts), end, entries
 
 
 # ---------------------------------------------------------------------------------------- CLI

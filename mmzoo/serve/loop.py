@@ -24,8 +24,8 @@ from mmzoo.types import Prepared, Result
 
 @dataclass
 class Stream:
-    """One request's side of the loop: token ids as they come, then its :class:`Result` (``None``
-    in :attr:`events` marks the end). Filled from the loop thread, read on the event loop."""
+    """One request's side of the loop: ``(token id, its logprobs entry or None)`` as they come, then
+    its :class:`Result` (``None`` in :attr:`events` marks the end). Filled from the loop thread, read on the event loop."""
 
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -118,7 +118,8 @@ class EngineLoop:
         def on_token(seq: Sequence, token: int) -> None:
             self.stats.generation_tokens += 1
             self.stats.recent.append(time.monotonic())
-            streams[id(seq)]._put(token)
+            logprobs = seq.result.logprobs
+            streams[id(seq)]._put((token, logprobs[-1] if logprobs else None))
 
         def on_done(seq: Sequence) -> None:
             stream = streams.pop(id(seq))

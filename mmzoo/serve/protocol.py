@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from mmzoo.errors import MmzooError
 
@@ -113,8 +113,6 @@ class Sampling(BaseModel):
     # not implemented: refused unless neutral (_NEUTRAL)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     logit_bias: dict[str, float] | None = None
@@ -123,8 +121,7 @@ class Sampling(BaseModel):
     IGNORED: ClassVar[tuple[str, ...]] = ("user", "metadata", "store", "service_tier", "prompt_cache_key",
                                           "safety_identifier", "parallel_tool_calls")
     _NEUTRAL: ClassVar[dict[str, Any]] = {
-        "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": None, "tools": None,
-        "tool_choice": None, "logit_bias": None, "best_of": None, "echo": False, "suffix": None,
+        "frequency_penalty": 0, "presence_penalty": 0, "tools": None, "tool_choice": None, "logit_bias": None, "best_of": None, "echo": False, "suffix": None,
         "response_format": None}
 
     def refuse_unsupported(self) -> None:
@@ -158,7 +155,13 @@ class Sampling(BaseModel):
             out["seed"] = self.seed
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.top_logprob_count() is not None:
+            out["logprobs"] = self.top_logprob_count()
         return out
+
+    def top_logprob_count(self) -> int | None:
+        """How many alternatives per token the response lists log-probabilities of (None: no logprobs)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -167,6 +170,13 @@ class Sampling(BaseModel):
 
 class ChatCompletionRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
+    logprobs: StrictBool | None = None  # each generated token's log-probability ...
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # ... and those of this many alternatives
+
+    def top_logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(Sampling):
@@ -174,6 +184,10 @@ class CompletionRequest(Sampling):
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
+    logprobs: StrictInt | None = Field(default=None, ge=0)  # the sampled token's and this many alternatives'
+
+    def top_logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 # ----------------------------------------------------------------------------------- responses
@@ -189,10 +203,26 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -214,6 +244,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -226,11 +257,20 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -254,6 +294,37 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def chat_logprobs(entries: list[dict], token_text) -> ChatLogprobs:
+    """OpenAI's chat ``logprobs`` from :attr:`mmzoo.Result.logprobs` entries; ``token_text(id)`` is
+    a token's text."""
+    def top(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return ChatLogprobs(content=[TokenLogprob(**top(e["token_id"], e["logprob"]),
+                                              top_logprobs=[TopLogprob(**top(i, lp)) for i, lp in e["top_logprobs"]])
+                                 for e in entries])
+
+
+def completion_logprobs(entries: list[dict], token_text, offset: int = 0) -> CompletionLogprobs:
+    """The completions ``logprobs`` from :attr:`mmzoo.Result.logprobs` entries, the first token's
+    text starting at ``offset`` of the choice's text."""
+    tokens = [token_text(e["token_id"]) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    tops = []
+    for e in entries:
+        alternatives: dict[str, float] = {}
+        for i, lp in e["top_logprobs"]:
+            alternatives.setdefault(token_text(i), lp)  # two ids may share a text: the likelier one
+        alternatives.setdefault(token_text(e["token_id"]), e["logprob"])  # the sampled token too, as vLLM
+        tops.append(alternatives)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=[e["logprob"] for e in entries], top_logprobs=tops,
+                              text_offset=offsets)
 
 
 def new_id(prefix: str) -> str:

@@ -102,9 +102,16 @@ class Engine:
             raise MmzooError(f"max_new_tokens={request.max_new_tokens} can never be reached: max_model_len={max_len} "
                              f"holds the prompt and the generated tokens together")
         top = self.executor.max_logprobs
-        if request.logprobs is not None and (request.logprobs > top or top == 0):
-            raise MmzooError(f"logprobs={request.logprobs} is more than this engine computes: executor.max_logprobs="
-                             f"{top}" + (" (log-probabilities are off)" if top == 0 else ""))
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(request, name)
+            if k is not None and (k > top or top == 0):
+                raise MmzooError(f"{name}={k} is more than this engine computes: executor.max_logprobs="
+                                 f"{top}" + (" (log-probabilities are off)" if top == 0 else ""))
+        if request.prompt_logprobs is not None and not self.executor.score_prompts:
+            raise MmzooError(f"prompt_logprobs={request.prompt_logprobs}: this engine does not score prompts "
+                             f"(executor.score_prompts=false)")
+        if request.prompt_logprobs is not None and request.inputs_embeds is not None:
+            raise MmzooError("prompt_logprobs needs the prompt's token ids; inputs_embeds has none")
         vocab = self.model.lm.vocab_size
         for name in ("prompt_token_ids", "stop_token_ids"):
             ids = getattr(request, name) or []

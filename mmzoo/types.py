@@ -47,7 +47,8 @@ class Request:
     images: list[Any] = field(default_factory=list)  # paths or PIL images
     videos: list[Any] = field(default_factory=list)  # paths, or lists of frames
     audios: list[Any] = field(default_factory=list)  # paths, or 1-D float arrays at the feature extractor's rate
-    max_new_tokens: Annotated[int, Strict(), Field(gt=0, le=MAX_NEW_TOKENS)] = 32
+    # 0: generate nothing (scoring a prompt: prompt_logprobs)
+    max_new_tokens: Annotated[int, Strict(), Field(ge=0, le=MAX_NEW_TOKENS)] = 32
     ignore_eos: Annotated[bool, Strict()] = False
     temperature: Annotated[float, Strict(), Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] = 0.0  # 0: greedy
     top_k: Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_K)] = 0  # 0: no top-k cut
@@ -57,6 +58,9 @@ class Request:
     # per generated token, its log-probability and those of the n most likely tokens (vLLM's
     # SamplingParams.logprobs; 0: the token's own only; None: none), up to the executor's max_logprobs
     logprobs: _NonNeg | None = None
+    # per prompt token after the first, its log-probability given the ones before and those of the
+    # n likeliest there (vLLM's SamplingParams.prompt_logprobs); None: none
+    prompt_logprobs: _NonNeg | None = None
     id: _Int | Annotated[str, Strict()] | None = None
     # -- other input modes (see README "Input modes") --
     prompt_token_ids: Annotated[list[_NonNeg], Field(min_length=1)] | None = None  # already tokenized (no chat template)
@@ -184,10 +188,12 @@ class Result:
     # with Request.logprobs: one entry per generated token, {"token_id", "logprob", "top_logprobs":
     # [[token_id, logprob], ...] (the most likely first)}, from the log-softmax of the raw logits
     logprobs: list[dict] | None = None
+    # with Request.prompt_logprobs: one entry per prompt token, as logprobs' (None for the first)
+    prompt_logprobs: list[dict | None] | None = None
 
     def to_json(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "token_times_s"}
-        for key in ("error", "logprobs"):
+        for key in ("error", "logprobs", "prompt_logprobs"):
             if out[key] is None:
                 del out[key]
         return out

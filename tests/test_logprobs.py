@@ -60,3 +60,33 @@ def test_logprobs_graphs_in_the_warmup_plan_and_the_limit(qwen2_vl_ckpt):
         off.generate("hi", logprobs=-1)
     assert not [g for g in warmup.plan(mmzoo.load(qwen2_vl_ckpt, executor="xla", warmup="none", max_logprobs=0,
                                                   **SMALL).executor, []) if g.kind == "logprobs"]
+
+
+def test_prompt_logprobs_and_no_new_tokens(qwen2_vl_ckpt, image_files):
+    """``prompt_logprobs``: each prompt token given the ones before it (images included), from a
+    scoring step of the prompt's bucket; ``max_new_tokens=0`` scores without generating. The values
+    are the eager executor's whole-prompt logits' log-softmax; nothing compiles past the plan."""
+    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", warmup="needed", **SMALL)
+    reqs = [{"prompt": "score me please", "max_new_tokens": 0, "prompt_logprobs": 2},
+            {"prompt": "what shape", "images": image_files[:1], "max_new_tokens": 3, "prompt_logprobs": 0,
+             "ignore_eos": True},
+            {"prompt": "nothing at all", "max_new_tokens": 0}]
+    got = engine.generate(reqs)
+    assert [r.graphs_compiled_after_warmup for r in got] == [0, 0, 0] and all(r.error is None for r in got)
+    assert [r.token_ids for r in (got[0], got[2])] == [[], []] and got[0].finish_reason == "length"
+    assert got[2].prompt_logprobs is None
+    assert got[1].token_ids == engine.generate({k: v for k, v in reqs[1].items() if k != "prompt_logprobs"}).token_ids
+    eager = mmzoo.load(qwen2_vl_ckpt, executor="eager", max_model_len=128)
+    for r, req in zip(got[:2], reqs):
+        prepared = eager.prepare(mmzoo.Request(prompt=req["prompt"], images=req.get("images", [])))
+        ids = prepared.input_ids
+        logp = torch.log_softmax(torch.from_numpy(eager.executor.prompt_logits(prepared)), dim=-1).numpy()
+        assert r.prompt_logprobs[0] is None and [e["token_id"] for e in r.prompt_logprobs[1:]] == ids[1:].tolist()
+        np.testing.assert_allclose([e["logprob"] for e in r.prompt_logprobs[1:]], logp[np.arange(len(ids) - 1), ids[1:]],
+                                   atol=1e-4, rtol=0)
+        assert all(len(e["top_logprobs"]) == req["prompt_logprobs"] for e in r.prompt_logprobs[1:])
+    off = mmzoo.load(qwen2_vl_ckpt, executor="eager", score_prompts=False)
+    with pytest.raises(MmzooError, match=r"prompt_logprobs=1: this engine does not score prompts"):
+        off.generate("hi", prompt_logprobs=1)
+    with pytest.raises(MmzooError, match=r"prompt_logprobs needs the prompt's token ids"):
+        eager.generate(mmzoo.Request(inputs_embeds=torch.zeros(3, eager.hidden_size), prompt_logprobs=0))

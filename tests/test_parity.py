@@ -89,7 +89,8 @@ def test_matches_transformers(request, family, executor, attention, n):
     prepared = engine.prepare(mmzoo.Request(**req))
     assert prepared.input_ids.tolist() == ref["ids"]
     np.testing.assert_allclose(engine.executor.prompt_logits(prepared), ref["logits"], atol=1e-4, rtol=0)
-    result = engine.generate(mmzoo.Request(**req, max_new_tokens=16, ignore_eos=True, logprobs=parity.LOGPROBS))
+    result = engine.generate(mmzoo.Request(**req, max_new_tokens=16, ignore_eos=True, logprobs=parity.LOGPROBS,
+                                           prompt_logprobs=1))
     assert result.prompt_token_ids == ref["ids"]
     assert result.token_ids == ref["tokens"]
     assert result.finish_reason == "length"
@@ -102,3 +103,8 @@ def test_matches_transformers(request, family, executor, attention, n):
     apart = np.abs(np.diff(ref["top_logprobs"], axis=1)) > 1e-4  # ranks a near-tie does not blur
     firm = np.concatenate([apart[:, :1], apart[:, 1:] & apart[:, :-1], apart[:, -1:]], axis=1)
     assert (ids == ref["top_ids"])[firm].all()
+    # the prompt scored (a step of its own): each token given the ones before it
+    logp = ref["logits"] - np.logaddexp.reduce(ref["logits"], axis=-1, keepdims=True)
+    want = logp[np.arange(len(ref["ids"]) - 1), ref["ids"][1:]]
+    assert result.prompt_logprobs[0] is None and [e["token_id"] for e in result.prompt_logprobs[1:]] == ref["ids"][1:]
+    np.testing.assert_allclose([e["logprob"] for e in result.prompt_logprobs[1:]], want, atol=1e-4, rtol=0)

@@ -191,6 +191,46 @@ def test_logprobs_in_openai_shapes(xla_server, offline, image_files):
         xla_server.client.completions.create(model="tiny", prompt="hi", logprobs=21)
 
 
+def test_scoring_echo_and_several_prompts(xla_server, offline):
+    """lm-evaluation-harness's loglikelihood request (``echo``, ``logprobs=1``, several prompts) and
+    ``max_tokens=0``: the echoed prompt's tokens carry their log-probabilities, equal to the
+    engine's ``prompt_logprobs``; one choice per prompt, in order, streamed too."""
+    engine, client = offline.engine, xla_server.client
+    text = engine.processor.tokenizer.decode
+    prompts = ["The cat sat on the", "Once upon a time"]
+    ids = [engine.processor.tokenizer(p)["input_ids"] for p in prompts]
+    scored = [engine.generate({"prompt_token_ids": i, "max_new_tokens": 0, "prompt_logprobs": 1}) for i in ids]
+    assert all(r.token_ids == [] and r.finish_reason == "length" for r in scored)
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1] and [c.text for c in r.choices] == prompts
+    assert r.usage.prompt_tokens == sum(len(i) for i in ids) and r.usage.completion_tokens == 0
+    for choice, i, want in zip(r.choices, ids, scored):
+        lp = choice.logprobs
+        assert lp.tokens == [text([t]) for t in i] and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx([e["logprob"] for e in want.prompt_logprobs[1:]], abs=1e-4)
+    # one generated token after the echoed prompt, token ids as prompts (the harness's shape)
+    want = [engine.generate({"prompt_token_ids": i, "max_new_tokens": 1}).token_ids for i in ids]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    for choice, i, w in zip(r.choices, ids, want):
+        assert choice.model_extra["token_ids"] == w and len(choice.logprobs.tokens) == len(i) + 1
+        assert choice.text == text(i) + text(w)
+    # several prompts streamed: each choice's text, by index, as the whole answer's
+    plain = client.completions.create(model="tiny", prompt=prompts, max_tokens=4, temperature=0)
+    parts = {0: "", 1: ""}
+    for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=4, temperature=0, stream=True):
+        for c in chunk.choices:
+            parts[c.index] += c.text
+    assert [parts[0], parts[1]] == [c.text for c in plain.choices]
+    # vLLM's prompt_logprobs extension in chat: the templated prompt's tokens, the first None
+    r = client.chat.completions.create(model="tiny", messages=_chat(None, "hi"), max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 0})
+    prompt = r.model_extra["prompt_logprobs"]
+    assert prompt[0] is None and len(prompt) == r.usage.prompt_tokens and all(len(p) == 1 for p in prompt[1:])
+    with pytest.raises(openai.BadRequestError, match=r"prompt is an empty list"):
+        client.completions.create(model="tiny", prompt=[], max_tokens=1)
+
+
 def test_sixteen_concurrent_clients_match_offline_with_no_compiles(xla_server, offline, image_files):
     jobs = [(image_files[i % 3] if i % 4 else None, f"Question {i}: what is this?") for i in range(16)]
     want = [offline(img, q) for img, q in jobs]

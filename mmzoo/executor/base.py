@@ -31,7 +31,7 @@ from mmzoo.buckets import round_up
 from mmzoo.errors import MmzooError
 from mmzoo.executor.buckets import Buckets
 from mmzoo.executor.steps import (DecodeInputs, PrefillInputs, Sampling, decode_step, encode_step, head_step,
-                                  logprobs_step, prefill_step)
+                                  logprobs_step, prefill_step, score_step)
 from mmzoo.lms import KVCache
 from mmzoo.types import DTYPES, Prepared, TowerInput
 
@@ -55,6 +55,8 @@ class Executor:
             ``max_model_len``).
         max_logprobs: the most alternatives a request may ask log-probabilities of (vLLM's
             ``max_logprobs``): every logprobs step computes this many; 0: no logprobs.
+        score_prompts: a scoring step per prefill bucket (:meth:`score`: ``prompt_logprobs``,
+            the server's ``echo``), compiled at warmup like the others; false: refuse them.
         progress: show a progress bar over requests.
 
     Attributes:
@@ -67,12 +69,14 @@ class Executor:
     do_warmup = False
 
     def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, max_prefill_tokens: int | None = None,
-                 max_logprobs: int = 20, progress: bool = False):
+                 max_logprobs: int = 20, score_prompts: bool = True, progress: bool = False):
         if max_model_len <= 0 or max_batch <= 0:
             raise ValueError(f"max_model_len={max_model_len} and max_batch={max_batch} must be positive")
         if not 0 <= max_logprobs <= 1024:
             raise ValueError(f"max_logprobs={max_logprobs} must lie in [0, 1024]")
-        self.max_logprobs = max_logprobs
+        if score_prompts not in (True, False):
+            raise ValueError(f"score_prompts={score_prompts!r}: choose true or false")
+        self.max_logprobs, self.score_prompts = max_logprobs, score_prompts and max_logprobs > 0
         if max_prefill_tokens is not None and max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens} must be positive")
         self.max_model_len, self.max_batch, self.progress = max_model_len, max_batch, progress
@@ -383,6 +387,24 @@ class Executor:
         result = self.run_step(("logprobs", rows, out.tokens.shape[0], k), step, [out.logits, out.tokens], None)
         self._step_done()
         return tuple(t.cpu().numpy() for t in result)
+
+    @torch.no_grad()
+    def score(self, prepared: Prepared) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each prompt token's log-probability given the ones before it (``[n - 1]``: the first has
+        none) and the ``max_logprobs`` likeliest at each position (``[n - 1, k]`` ids and theirs),
+        one step at the prompt's prefill bucket (:func:`~mmzoo.executor.steps.score_step`), read
+        back. Its media are encoded into the buffer first."""
+        n = len(prepared.input_ids)
+        index, _ = self.encode_prompt(prepared, 0)
+        s, k = self.buckets.prefill_len(n), self.max_logprobs
+        p = PrefillInputs.pack(s, 1, self.max_model_len, [(prepared.input_ids, prepared.positions, index, 0)])
+
+        def step(tokens, media):
+            return score_step(self.model, k, tokens, media)
+
+        result = self.run_step(("score", s, k), step, [self._tensor(p.token_rows()), self.media], None)
+        self._step_done()
+        return tuple(t.cpu().numpy()[: n - 1] for t in result)
 
     @torch.no_grad()
     def prompt_logits(self, prepared: Prepared) -> np.ndarray:

@@ -29,6 +29,12 @@ def _wants_logprobs(seq: Sequence) -> bool:
     return seq.request.logprobs is not None
 
 
+def _entry(token: int, logprob, ids, values, k: int) -> dict:
+    """One token's entry of :attr:`mmzoo.Result.logprobs`: its log-probability and the ``k`` likeliest."""
+    return {"token_id": token, "logprob": float(logprob),
+            "top_logprobs": [[int(i), float(v)] for i, v in zip(ids[:k], values[:k])]}
+
+
 def sampling_for(seqs: dict[int, Sequence], rows: int) -> Sampling:
     """Row ``i``'s sampling parameters from ``seqs[i]``'s request, with one uniform draw from its
     own seeded generator when it samples (so its tokens do not depend on its batch)."""
@@ -142,8 +148,10 @@ class Generation:
         self.sched.waiting.clear()
 
     def step(self) -> None:
-        """Admit what fits (prefill, first token), then one decode step for every running sequence."""
+        """Score the prompts that ask for it, admit what fits (prefill, first token), then one decode
+        step for every running sequence."""
         exe, sched = self.exe, self.sched
+        self._score()
         admitted = []
         for seq in sched.admit():
             try:
@@ -181,6 +189,27 @@ class Generation:
             self.inflight = None
 
     # -- inside a step ---------------------------------------------------------------------------
+    def _score(self) -> None:
+        """The waiting prompts' ``prompt_logprobs`` (a scoring step each, no KV-cache slot); a
+        request for no new tokens finishes here."""
+        for seq in [seq for seq in self.sched.waiting if not seq.scored]:
+            seq.scored = True
+            req, p = seq.request, seq.prepared
+            if req.prompt_logprobs is not None:
+                try:
+                    self.exe.check_prompt(p)
+                    picked, ids, values = self.exe.score(p)
+                except MmzooError as e:
+                    self.sched.waiting.remove(seq)
+                    self._fail(seq, e)
+                    continue
+                seq.result.prompt_logprobs = [None] + [
+                    _entry(int(t), picked[i], ids[i], values[i], req.prompt_logprobs) for i, t in enumerate(p.input_ids[1:])]
+            if req.max_new_tokens == 0:
+                self.sched.waiting.remove(seq)
+                seq.result.finish_reason = "length"
+                self._done(seq)
+
     def _pack(self, seqs: list[Sequence]) -> tuple[PrefillInputs | None, dict[int, MmzooError]]:
         """``seqs`` (one :func:`prefill_groups` group) packed into their prefill bucket, their media
         encoded one after another into the media buffer. A prompt whose media fail is left out,
@@ -229,9 +258,7 @@ class Generation:
         :meth:`~mmzoo.executor.base.Executor.logprobs`, when its request asks for them)."""
         if logprobs is not None and _wants_logprobs(seq):
             picked, ids, values = logprobs
-            k = seq.request.logprobs
-            seq.result.logprobs.append({"token_id": token, "logprob": float(picked[row]),
-                                        "top_logprobs": [[int(i), float(v)] for i, v in zip(ids[row, :k], values[row, :k])]})
+            seq.result.logprobs.append(_entry(token, picked[row], ids[row], values[row], seq.request.logprobs))
         finished = self.sched.emit(seq, token, cached, self.decode_text)
         if self.on_token:
             self.on_token(seq, token)

@@ -31,6 +31,7 @@ class Sequence:
     length: int = 0  # tokens in the cache
     last: int = 0  # the newest token, not yet in the cache
     t_added: float = 0.0  # when it was queued, in seconds after the run's start
+    scored: bool = False  # its prompt_logprobs are computed (or it needs none)
 
     @property
     def request(self):

@@ -217,3 +217,17 @@ def logprobs_step(k: int, logits: torch.Tensor, tokens: torch.Tensor) -> tuple[t
     picked = logp.gather(-1, tokens[: logits.shape[0], None]).squeeze(-1)
     values, ids = logp.topk(k, dim=-1)
     return picked, ids, values
+
+
+def score_step(model, k: int, tokens: torch.Tensor, media: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The log-probability of every prompt token after the first, given the ones before it, for
+    one prompt padded to bucket ``s`` (``tokens``: :meth:`PrefillInputs.token_rows`; padding after
+    the prompt changes nothing under the causal mask), with the ``k`` likeliest tokens at each
+    position -> ``[s - 1]``, ``[s - 1, k]`` ids, ``[s - 1, k]`` log-probabilities. No cache is read or written."""
+    ids, index = tokens[PREFILL_TOKEN_ROWS.index("input_ids")], tokens[PREFILL_TOKEN_ROWS.index("mm_index")]
+    positions = tokens[len(PREFILL_TOKEN_ROWS):, None]  # [axes, 1, s]
+    logits = model(ids[None], positions, mm_embeds=media, mm_index=index[None])[0, :-1]  # predicting ids[1:]
+    logp = torch.log_softmax(logits, dim=-1)
+    picked = logp.gather(-1, ids[1:, None]).squeeze(-1)
+    values, top = logp.topk(k, dim=-1)
+    return picked, top, values

@@ -5,7 +5,8 @@ server, the benchmark, where requests come later): each tower at each input-row 
 precomputed-embeddings write at each row bucket, the prompts' layers at each prefill bucket (and
 a bucket's windowed graph, where it has one), the prefill's head at each row bucket and the
 decode step at each KV-length and row bucket, the last two with a greedy and a sampling head, and the
-logprobs step at each row bucket (with ``max_logprobs``). :func:`needed` takes
+logprobs step at each row bucket (with ``max_logprobs``) and the scoring step at each prefill
+bucket (with ``score_prompts``). :func:`needed` takes
 prepared requests and returns only the graphs they can hit (``warmup=needed``: a one-shot CLI run
 or a requests file, known up front). :func:`run` compiles a plan on all-padding typed inputs.
 """
@@ -20,7 +21,7 @@ import torch
 
 from mmzoo.executor.base import StepOut
 from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling
-from mmzoo.types import TowerInput
+from mmzoo.types import Prepared, TowerInput
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Graph:
     def __str__(self) -> str:
         if self.kind == "logprobs":
             return f"logprobs b{self.rows}/{self.size}"
-        head = "" if self.kind in ("encode", "embeds", "prefill") else "/greedy" if self.greedy else "/sample"
+        head = "" if self.kind in ("encode", "embeds", "prefill", "score") else "/greedy" if self.greedy else "/sample"
         window = f" w{self.window}" if self.window else ""
         if self.kind == "decode":
             return f"decode b{self.rows}/kv{self.size}{head}"
@@ -59,6 +60,8 @@ def plan(executor, towers: list[str]) -> list[Graph]:
     out += [Graph("decode", kv, greedy=g, rows=r) for r in b.decode_rows for kv in b.decode_kv for g in (True, False)]
     if executor.max_logprobs:
         out += sorted(set(_logprobs(executor, b.decode_rows, b.decode_rows)), key=lambda g: (g.rows, g.size))
+    if executor.score_prompts:
+        out += [Graph("score", s) for s in b.prefill]
     return out
 
 
@@ -97,6 +100,11 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
                 greedy = not req.temperature > 0
                 executor.check_prompt(p)
                 logprobs = logprobs or req.logprobs is not None
+                if req.prompt_logprobs is not None:
+                    graphs.add(Graph("score", b.prefill_len(n)))
+                if req.max_new_tokens == 0:  # scored only: no slot, no prefill
+                    out |= graphs
+                    continue
                 if req.max_new_tokens > 1 and n + 1 < executor.max_model_len:
                     last = min(n + req.max_new_tokens, executor.max_model_len)
                     lo = n + 1 if lo is None else min(lo, n + 1)
@@ -135,7 +143,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     if logprobs:  # the rows of every head and decode step the run can take
         out |= set(_logprobs(executor, {g.rows for g in out if g.kind == "head"},
                              {g.rows for g in out if g.kind == "decode"}))
-    order = {"encode": 0, "embeds": 1, "prefill": 2, "head": 3, "decode": 4, "logprobs": 5}
+    order = {"encode": 0, "embeds": 1, "prefill": 2, "head": 3, "decode": 4, "logprobs": 5, "score": 6}
     return sorted(out, key=lambda g: (order[g.kind], g.tower or "", g.rows or 0, g.size, g.window or 0, not g.greedy))
 
 
@@ -177,6 +185,10 @@ def run(executor, graphs: list[Graph], dummy_media: Callable[[str, int], TowerIn
             out = executor.prefill_head(hidden, _sampling(g.rows, g.greedy))
         elif g.kind == "decode":
             out = executor.decode(DecodeInputs.zeros(g.rows, g.size), _sampling(g.rows, g.greedy))
+        elif g.kind == "score":
+            executor.score(Prepared(request=None, input_ids=np.zeros(g.size, np.int64),
+                                    positions=np.zeros((axes, g.size), np.int64), position_delta=0,
+                                    mm_index=np.full(g.size, -1, np.int64)))  # read back already
         else:
             tokens = executor._tensor(np.zeros(g.size, np.int64))
             logits = executor._tensor(np.zeros((g.rows, executor.model.lm.vocab_size), np.float32))

@@ -53,6 +53,7 @@ class XLAExecutor(Executor):
         max_prefill_tokens: prompt tokens one packed prefill step takes (:class:`Executor`);
             None: ``max_model_len``.
         max_logprobs: alternatives per token a request may ask log-probabilities of (:class:`Executor`).
+        score_prompts: compile a prompt-scoring step per prefill bucket (:class:`Executor`).
         buckets: the ``executor.buckets`` group (:class:`~mmzoo.executor.options.BucketSpec`).
         layout: the ``executor.layout`` group (:class:`~mmzoo.executor.options.LayoutSpec`).
         compile: the ``executor.compile`` group (:class:`~mmzoo.executor.options.CompileSpec`).
@@ -62,12 +63,12 @@ class XLAExecutor(Executor):
     name = "xla"
 
     def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, max_prefill_tokens: int | None = None,
-                 max_logprobs: int = 20, buckets: Mapping | None = None, layout: Mapping | None = None,
-                 compile: Mapping | None = None, progress: bool = False, **unknown):
+                 max_logprobs: int = 20, score_prompts: bool = True, buckets: Mapping | None = None,
+                 layout: Mapping | None = None, compile: Mapping | None = None, progress: bool = False, **unknown):
         if unknown:
             raise MmzooError(misplaced(unknown))
         super().__init__(max_model_len=max_model_len, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
-                         max_logprobs=max_logprobs, progress=progress)
+                         max_logprobs=max_logprobs, score_prompts=score_prompts, progress=progress)
         self.bucket_spec = BucketSpec.from_config(buckets)
         self.bucket_spec.check(max_model_len=max_model_len, max_batch=max_batch,
                                max_prefill_tokens=self.max_prefill_tokens)

@@ -28,6 +28,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -61,6 +62,7 @@ from mmzoo.serve.protocol import (
     chat_logprobs,
     chat_request,
     completion_logprobs,
+    vllm_prompt_logprobs,
     finish_reason,
     new_id,
     now,
@@ -230,18 +232,22 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                     raise BadRequest(param + msg[len(item):], param) from None
             raise
 
-    async def generate(prepared, stops: list[str]):
-        """Yield ``(text delta, token id, logprobs entry or None, None)`` per token (the delta may be
-        empty: text held back, or a token past a stop string's end is never yielded), then ``("",
-        None, None, (finish_reason, prompt_tokens, generated token ids))`` as the last item; a client
-        that goes away cancels the sequence."""
+    async def generate(prepared, stops: list[str]) -> AsyncIterator[Piece]:
+        """The request's pieces (:class:`Piece`): its prompt's log-probabilities first when it asked
+        (``prompt``), a piece per token (the text may be empty: held back, or past a stop string's
+        end, which is never yielded), then the end; a client that goes away cancels the sequence."""
         check_open()  # again: the drain may have begun while the request was prepared
         stream = loop_.submit(prepared, asyncio.get_running_loop())
         text = TextStream(engine.decode, stops)
+        scored = prepared.request.prompt_logprobs is None
         finished = False
         try:
             while True:
                 item = await stream.events.get()
+                if not scored:  # computed before the first token (a step of its own)
+                    scored = True
+                    result = stream.result if item is None else stream.seq.result
+                    yield Piece(scored=True, prompt=result.prompt_logprobs)
                 if item is None:
                     break
                 if text.stopped:
@@ -250,16 +256,16 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                 delta = text.push(token)
                 if text.stopped:
                     loop_.cancel(stream, "stop")
-                yield delta, token, logprob, None
+                yield Piece(text=delta, token=token, logprob=logprob)
             result = stream.result
             if result.error and not result.token_ids:
                 raise MmzooError(result.error)
             tail = text.flush()
             if tail:
-                yield tail, None, None, None
+                yield Piece(text=tail)
             reason = "stop" if text.stopped else finish_reason(result.finish_reason)
             finished = True
-            yield "", None, None, (reason, len(prepared.input_ids), list(text.tokens))
+            yield Piece(end=(reason, len(prepared.input_ids), list(text.tokens)))
         finally:
             if not finished:  # the client went away (or the handler failed): free the slot now
                 loop_.cancel(stream)
@@ -270,77 +276,135 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
             if message["type"] == "http.disconnect":
                 return
 
-    async def respond(kind: str, body, prepared, http: HTTPRequest):
-        if body.max_completion_tokens is None and body.max_tokens is None:  # vLLM's default: the rest of the context
-            prepared.request.max_new_tokens = max(1, max_model_len - len(prepared.input_ids))
+    async def respond(kind: str, body, prepared: list, http: HTTPRequest, echo: list[str] | None = None):
+        """Answer one choice per prepared request (completions: a prompt each), in order; ``echo``:
+        the prompts' texts, sent before each choice's completion."""
+        for p in prepared:
+            if body.max_completion_tokens is None and body.max_tokens is None:  # vLLM's default: the rest of the context
+                p.request.max_new_tokens = max(1, max_model_len - len(p.input_ids))
         rid, created = new_id("chatcmpl" if kind == "chat" else "cmpl"), now()
         stops = body.stops()
         if body.stream:
-            return StreamingResponse(sse(kind, body, prepared, stops, rid, created),
+            return StreamingResponse(sse(kind, body, prepared, stops, rid, created, echo),
                                      media_type="text/event-stream")
-        collect = asyncio.ensure_future(_collect(generate(prepared, stops)))
+        collect = asyncio.ensure_future(asyncio.gather(*(_collect(generate(p, stops)) for p in prepared)))
         gone = asyncio.ensure_future(until_disconnected(http))
         done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if collect not in done:  # the client left: cancelling the collector cancels the sequence
+        if collect not in done:  # the client left: cancelling the collectors cancels the sequences
             collect.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await collect
             return PlainTextResponse("", status_code=499)
         gone.cancel()
-        text, (reason, n_prompt, tokens), entries = collect.result()
-        if reason == "abort":  # cut by the drain timeout (a client that left gets no answer)
-            raise ShuttingDown(f"the server is shutting down; the request was cut after drain_timeout_s="
-                               f"{drain_timeout_s:g} with {len(tokens)} tokens generated")
-        usage = Usage(prompt_tokens=n_prompt, completion_tokens=len(tokens), total_tokens=n_prompt + len(tokens))
-        ids = tokens if body.return_token_ids else None
+        answers = collect.result()
+        for answer in answers:
+            reason, _, tokens = answer.end
+            if reason == "abort":  # cut by the drain timeout (a client that left gets no answer)
+                raise ShuttingDown(f"the server is shutting down; the request was cut after drain_timeout_s="
+                                   f"{drain_timeout_s:g} with {len(tokens)} tokens generated")
+        n_prompt = sum(a.end[1] for a in answers)
+        n_out = sum(len(a.end[2]) for a in answers)
+        usage = Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
         wants = body.top_logprob_count() is not None
         if kind == "chat":
-            lp = chat_logprobs(entries, token_text) if wants else None
-            return ChatCompletion(id=rid, created=created, model=body.model, usage=usage, choices=[
-                ChatChoice(message=ChatMessageOut(content=text), finish_reason=reason, logprobs=lp, token_ids=ids)])
-        lp = completion_logprobs(entries, token_text) if wants else None
-        return Completion(id=rid, created=created, model=body.model, usage=usage,
-                          choices=[CompletionChoice(text=text, finish_reason=reason, logprobs=lp, token_ids=ids)])
+            (a,) = answers
+            lp = chat_logprobs(a.entries, token_text) if wants else None
+            return ChatCompletion(id=rid, created=created, model=body.model, usage=usage,
+                                  prompt_logprobs=vllm_prompt_logprobs(a.prompt, token_text), choices=[
+                ChatChoice(message=ChatMessageOut(content=a.text), finish_reason=a.end[0], logprobs=lp,
+                           token_ids=a.end[2] if body.return_token_ids else None)])
+        choices = []
+        for i, (a, p) in enumerate(zip(answers, prepared)):
+            head = echo[i] if echo else ""
+            items = [(e["token_id"], e) for e in a.entries]
+            if echo and wants:  # the prompt's tokens first, the first without a log-probability
+                items = _prompt_items(p, a.prompt) + items
+            choices.append(CompletionChoice(
+                index=i, text=head + a.text, finish_reason=a.end[0],
+                logprobs=completion_logprobs(items, token_text) if wants else None,
+                prompt_logprobs=vllm_prompt_logprobs(a.prompt, token_text),
+                token_ids=a.end[2] if body.return_token_ids else None))
+        return Completion(id=rid, created=created, model=body.model, usage=usage, choices=choices)
 
-    async def sse(kind, body, prepared, stops, rid, created) -> AsyncIterator[str]:
+    async def sse(kind, body, prepared, stops, rid, created, echo) -> AsyncIterator[str]:
         def event(obj) -> str:
             return f"data: {obj.model_dump_json()}\n\n"
 
-        sent = 0  # characters of text streamed so far (the completions logprobs' text_offset)
+        wants = body.top_logprob_count() is not None
+        sent = [0] * len(prepared)  # characters streamed so far per choice (the completions' text_offset)
 
-        def chunk(delta: str | None, reason: str | None, first: bool = False, ids: list[int] | None = None,
-                  entry: dict | None = None):
+        def chunk(i: int, delta: str | None, reason: str | None, first: bool = False, ids: list[int] | None = None,
+                  items: list | None = None, prompt: list | None = None):
             if kind == "chat":
-                lp = chat_logprobs([entry], token_text) if entry is not None else None
+                lp = chat_logprobs([e for _, e in items], token_text) if items else None
                 return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[ChunkChoice(
                     delta=Delta(role="assistant" if first else None, content=delta), finish_reason=reason,
-                    logprobs=lp, token_ids=ids)])
-            lp = completion_logprobs([entry], token_text, sent) if entry is not None else None
-            return Completion(id=rid, created=created, model=body.model,
-                              choices=[CompletionChoice(text=delta or "", finish_reason=reason, logprobs=lp,
-                                                        token_ids=ids)])
+                    logprobs=lp, token_ids=ids)], prompt_logprobs=vllm_prompt_logprobs(prompt, token_text))
+            lp = completion_logprobs(items, token_text, sent[i]) if items else None
+            return Completion(id=rid, created=created, model=body.model, choices=[CompletionChoice(
+                index=i, text=delta or "", finish_reason=reason, logprobs=lp, token_ids=ids,
+                prompt_logprobs=vllm_prompt_logprobs(prompt, token_text))])
 
-        per_token = body.return_token_ids or body.top_logprob_count() is not None
+        per_token = body.return_token_ids or wants
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def feed(i: int, p) -> None:
+            try:
+                async for piece in generate(p, stops):
+                    await queue.put((i, piece))
+            except MmzooError as e:
+                await queue.put((i, e))
+            await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(feed(i, p)) for i, p in enumerate(prepared)]
+        usage, left, error = [0, 0], len(prepared), None
         try:
             if kind == "chat":
-                yield event(chunk("", None, first=True))
-            async for delta, token, entry, end in generate(prepared, stops):
-                if end is None:
-                    if per_token and token is not None:  # a chunk per token, with its id and logprobs
-                        yield event(chunk(delta, None, ids=[token] if body.return_token_ids else None, entry=entry))
-                    elif delta:
-                        yield event(chunk(delta, None))
-                    sent += len(delta)
+                yield event(chunk(0, "", None, first=True))
+            elif echo:  # each prompt's text first (its log-probabilities come with its scoring)
+                for i, text in enumerate(echo):
+                    if prepared[i].request.prompt_logprobs is None or not wants:
+                        yield event(chunk(i, text, None))
+                        sent[i] += len(text)
+            while left:
+                i, piece = await queue.get()
+                if piece is None:
+                    left -= 1
                     continue
-                reason, n_prompt, tokens = end
-                n_out = len(tokens)
-                yield event(chunk(None if kind == "chat" else "", reason))
-                if body.include_usage:
-                    usage = Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
-                    cls = ChatCompletionChunk if kind == "chat" else Completion
-                    yield f"data: {cls(id=rid, created=created, model=body.model, choices=[], usage=usage).model_dump_json()}\n\n"
+                if isinstance(piece, MmzooError):
+                    error = piece
+                    continue
+                if piece.scored:
+                    if echo and wants:  # the echoed prompt with its log-probabilities
+                        yield event(chunk(i, echo[i], None, items=_prompt_items(prepared[i], piece.prompt),
+                                          prompt=piece.prompt))
+                        sent[i] += len(echo[i])
+                    elif piece.prompt is not None:
+                        yield event(chunk(i, "", None, prompt=piece.prompt))
+                    continue
+                if piece.end is None:
+                    if per_token and piece.token is not None:  # a chunk per token, with its id and logprobs
+                        items = [(piece.token, piece.logprob)] if wants and piece.logprob is not None else None
+                        yield event(chunk(i, piece.text, None, ids=[piece.token] if body.return_token_ids else None,
+                                          items=items))
+                    elif piece.text:
+                        yield event(chunk(i, piece.text, None))
+                    sent[i] += len(piece.text)
+                    continue
+                reason, n_prompt, tokens = piece.end
+                usage[0], usage[1] = usage[0] + n_prompt, usage[1] + len(tokens)
+                yield event(chunk(i, None if kind == "chat" else "", reason))
+            if error is not None:
+                raise error
+            if body.include_usage:
+                total = Usage(prompt_tokens=usage[0], completion_tokens=usage[1], total_tokens=sum(usage))
+                cls = ChatCompletionChunk if kind == "chat" else Completion
+                yield f"data: {cls(id=rid, created=created, model=body.model, choices=[], usage=total).model_dump_json()}\n\n"
         except MmzooError as e:
             yield f"data: {json.dumps(_error_body(str(e), None, 503 if isinstance(e, ShuttingDown) else 400))}\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
         yield "data: [DONE]\n\n"
 
     def check_open() -> None:
@@ -355,7 +419,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         body.stops()
         fields, names = chat_request(body, media, engine.family)
         prepared = await run_in_threadpool(prepare, fields, names)
-        return await respond("chat", body, prepared, http)
+        return await respond("chat", body, [prepared], http)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
@@ -363,14 +427,22 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         check_model(body.model)
         body.refuse_unsupported()
         body.stops()
-        if isinstance(body.prompt, str):
-            if not body.prompt:
-                raise BadRequest("prompt is empty", "prompt")
-            ids = await run_in_threadpool(engine.tokenize, body.prompt)
-        else:
-            ids = body.prompt
-        prepared = await run_in_threadpool(prepare, {"prompt_token_ids": list(ids), **body.request_fields()})
-        return await respond("completion", body, prepared, http)
+        prompts = body.prompts()
+        prepared, texts = [], []
+        for i, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise BadRequest(f"{param} is empty", param)
+                ids = await run_in_threadpool(engine.tokenize, prompt)
+            else:
+                ids = prompt
+            try:
+                prepared.append(await run_in_threadpool(prepare, {"prompt_token_ids": list(ids), **body.request_fields()}))
+            except MmzooError as e:
+                raise BadRequest(f"{param}: {e}" if len(prompts) > 1 else str(e), param) from None
+            texts.append(prompt if isinstance(prompt, str) else engine.decode(list(ids)))
+        return await respond("completion", body, prepared, http, echo=texts if body.echo else None)
 
     @app.get("/v1/models")
     async def models():
@@ -404,16 +476,47 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
     return app
 
 
-async def _collect(gen) -> tuple[str, tuple, list[dict]]:
-    """The whole text, the end tuple and the tokens' logprobs entries of :func:`generate`'s items."""
-    parts, end, entries = [], None, []
-    async for delta, _, entry, fin in gen:
-        parts.append(delta)
-        if entry is not None:
-            entries.append(entry)
-        if fin is not None:
-            end = fin
-    return "".join(parts), end, entries
+@dataclass
+class Piece:
+    """One item of a request's output as the server reads it: text (possibly empty), the token it
+    came with and that token's logprobs entry; ``prompt``: the prompt's log-probabilities;
+    ``end``: ``(finish_reason, prompt tokens, generated token ids)``."""
+
+    text: str = ""
+    token: int | None = None
+    logprob: dict | None = None
+    end: tuple | None = None
+    scored: bool = False  # the piece that carries the prompt's log-probabilities (first, when asked)
+    prompt: list | None = None
+
+
+@dataclass
+class Answer:
+    """A whole choice: :func:`_collect` of a request's pieces."""
+
+    text: str
+    end: tuple
+    entries: list[dict]
+    prompt: list | None
+
+
+async def _collect(gen) -> Answer:
+    parts, end, entries, prompt = [], None, [], None
+    async for piece in gen:
+        parts.append(piece.text)
+        if piece.logprob is not None:
+            entries.append(piece.logprob)
+        if piece.prompt is not None:
+            prompt = piece.prompt
+        if piece.end is not None:
+            end = piece.end
+    return Answer("".join(parts), end, entries, prompt)
+
+
+def _prompt_items(prepared, prompt: list | None) -> list:
+    """``(token id, logprobs entry or None)`` per prompt token (the first has none)."""
+    ids = [int(t) for t in prepared.input_ids]
+    return [(t, prompt[j] if prompt else None) for j, t in enumerate(ids)]
 
 
 # ---------------------------------------------------------------------------------------- CLI

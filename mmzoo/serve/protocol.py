@@ -102,6 +102,7 @@ class Sampling(BaseModel):
     ignore_eos: bool = False  # vLLM's extension
     return_token_ids: bool = False  # vLLM's extension: the generated token ids in each choice
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's extension
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0)  # vLLM's extension: the prompt's, scored
     # accepted and ignored: they do not change the output (IGNORED)
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -121,7 +122,7 @@ class Sampling(BaseModel):
     IGNORED: ClassVar[tuple[str, ...]] = ("user", "metadata", "store", "service_tier", "prompt_cache_key",
                                           "safety_identifier", "parallel_tool_calls")
     _NEUTRAL: ClassVar[dict[str, Any]] = {
-        "frequency_penalty": 0, "presence_penalty": 0, "tools": None, "tool_choice": None, "logit_bias": None, "best_of": None, "echo": False, "suffix": None,
+        "frequency_penalty": 0, "presence_penalty": 0, "tools": None, "tool_choice": None, "logit_bias": None, "best_of": None, "suffix": None,
         "response_format": None}
 
     def refuse_unsupported(self) -> None:
@@ -157,6 +158,8 @@ class Sampling(BaseModel):
             out["stop_token_ids"] = list(self.stop_token_ids)
         if self.top_logprob_count() is not None:
             out["logprobs"] = self.top_logprob_count()
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs
         return out
 
     def top_logprob_count(self) -> int | None:
@@ -180,14 +183,29 @@ class ChatCompletionRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[int]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # several: a choice each, in order
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 with echo: score the prompt only
     best_of: int | None = None
-    echo: bool | None = None
+    echo: StrictBool = False  # the prompt's text (and, with logprobs, its tokens') before the completion
     suffix: str | None = None
     logprobs: StrictInt | None = Field(default=None, ge=0)  # the sampled token's and this many alternatives'
 
     def top_logprob_count(self) -> int | None:
         return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per choice: a string, token ids, or a list of either."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        if not self.prompt:
+            raise BadRequest("prompt is an empty list", "prompt")
+        return list(self.prompt)
+
+    def request_fields(self) -> dict[str, Any]:
+        out = super().request_fields()
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens carry theirs too
+            out["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
+        return out
 
 
 # ----------------------------------------------------------------------------------- responses
@@ -233,6 +251,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's extension
 
 
 class Delta(BaseModel):
@@ -255,6 +274,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -272,6 +292,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's extension
 
 
 class Completion(BaseModel):
@@ -308,23 +329,43 @@ def chat_logprobs(entries: list[dict], token_text) -> ChatLogprobs:
                                  for e in entries])
 
 
-def completion_logprobs(entries: list[dict], token_text, offset: int = 0) -> CompletionLogprobs:
-    """The completions ``logprobs`` from :attr:`mmzoo.Result.logprobs` entries, the first token's
-    text starting at ``offset`` of the choice's text."""
-    tokens = [token_text(e["token_id"]) for e in entries]
+def completion_logprobs(items: list[tuple[int, dict | None]], token_text, offset: int = 0) -> CompletionLogprobs:
+    """The completions ``logprobs`` of ``(token id, its mmzoo.Result.logprobs entry or None)`` items
+    (None: a prompt's first token, which has none), the first token's text at ``offset`` of the choice's text."""
+    tokens = [token_text(t) for t, _ in items]
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    tops = []
-    for e in entries:
+    tops: list[dict[str, float] | None] = []
+    for t, e in items:
+        if e is None:
+            tops.append(None)
+            continue
         alternatives: dict[str, float] = {}
         for i, lp in e["top_logprobs"]:
             alternatives.setdefault(token_text(i), lp)  # two ids may share a text: the likelier one
-        alternatives.setdefault(token_text(e["token_id"]), e["logprob"])  # the sampled token too, as vLLM
+        alternatives.setdefault(token_text(t), e["logprob"])  # the sampled token too, as vLLM
         tops.append(alternatives)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=[e["logprob"] for e in entries], top_logprobs=tops,
-                              text_offset=offsets)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=[None if e is None else e["logprob"] for _, e in items],
+                              top_logprobs=tops, text_offset=offsets)
+
+
+def vllm_prompt_logprobs(entries: list[dict | None] | None, token_text) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id: {"logprob",
+    "decoded_token"}}`` for the token itself and its alternatives."""
+    if entries is None:
+        return None
+    out: list = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        one: dict[str, dict[str, Any]] = {}
+        for i, lp in [(e["token_id"], e["logprob"])] + [tuple(x) for x in e["top_logprobs"]]:
+            one.setdefault(str(i), {"logprob": lp, "decoded_token": token_text(i)})
+        out.append(one)
+    return out
 
 
 def new_id(prefix: str) -> str:

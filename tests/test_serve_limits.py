@@ -159,13 +159,13 @@ def test_strict_fields(client, path):
         {"model": "tiny", "prompt": "What is this?", "temperature": 0, "max_tokens": 4, "return_token_ids": True}
     want = client.post(path, json=body)
     assert want.status_code == 200, want.text
-    for field, value in (("temprature", 0), ("guided_choice", ["a", "b"]), ("prompt_logprobs", 1),
+    for field, value in (("temprature", 0), ("guided_choice", ["a", "b"]), ("min_tokens", 1),
                          ("use_beam_search", False)):
         r = client.post(path, json={**body, field: value})
         assert r.status_code == 400 and _error(r)["param"] == field, r.text
         assert f"{field}: unknown field" in _error(r)["message"]
     ignored = {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "prompt_cache_key": "k",
-               "safety_identifier": "s", "parallel_tool_calls": True, "frequency_penalty": 0, "logprobs": False}
+               "safety_identifier": "s", "parallel_tool_calls": True, "frequency_penalty": 0, "presence_penalty": 0}
     assert set(Sampling.IGNORED) <= set(ignored)
     r = client.post(path, json={**body, **ignored})
     assert r.status_code == 200, r.text

@@ -16,6 +16,6 @@ __version__ = "0.1.0"
 from mmzoo.config import compose
 from mmzoo.engine import Engine, build, load
 from mmzoo.errors import MmzooError
-from mmzoo.types import Request, Result
+from mmzoo.types import Request, Result, StreamOutput
 
-__all__ = ["load", "build", "compose", "Engine", "Request", "Result", "MmzooError", "__version__"]
+__all__ = ["load", "build", "compose", "Engine", "Request", "Result", "StreamOutput", "MmzooError", "__version__"]

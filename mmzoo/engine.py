@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -35,7 +35,8 @@ from mmzoo.errors import MmzooError
 from mmzoo.executor import Drain, Executor, generate
 from mmzoo.limits import Limits, check_request, prompt_chars_bound
 from mmzoo.models import Family, MultimodalLM, Tower
-from mmzoo.types import DTYPES, Prepared, Request, Result
+from mmzoo.models._prompt import media_from_messages
+from mmzoo.types import DTYPES, Prepared, Request, Result, StreamOutput
 
 COMPONENTS = ("encoder", "adapter", "lm")
 
@@ -59,6 +60,8 @@ class Engine:
         self._fingerprint, self.dtype = towers_fingerprint, dtype
         self.allow_fingerprint_mismatch = allow_fingerprint_mismatch
         self._lock = threading.RLock()  # one request stream at a time: the cache and compiled steps are shared
+        self._stream_lock = threading.Lock()
+        self._streams = None  # the EngineLoop of stream(), made on first use
         # host preparation runs in any number of threads at once (a server's handlers), each on a copy of
         # the processor taken from this pool (a tokenizer must not be used by two threads at once)
         self._processors: queue.SimpleQueue = queue.SimpleQueue()
@@ -94,6 +97,7 @@ class Engine:
             value = getattr(request, name)
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != run_dtype:
                 request = replace(request, **{name: cast_note(value, run_dtype, name)})
+        request = media_from_messages(request)  # parts that carry their image, video or audio
         if not self.model.towers and (request.images or request.videos or request.audios):
             raise MmzooError("this engine was loaded without its encoder towers (towers=False); raw media need them")
         check_request(request, self.limits, max_prompt_chars=self.max_prompt_chars)
@@ -201,7 +205,7 @@ class Engine:
         return self.processor.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def generate(self, prompt: str | Request | dict | list[str | Request | dict] = "", *,
-                 on_result: Callable[[Result], None] | None = None, stop: Drain | None = None,
+                 on_result: Callable[[Result], None] | None = None, drain: Drain | None = None,
                  **fields: Any) -> Result | list[Result]:
         """Generate for one request (returns a :class:`Result`) or a list of them (returns a list).
 
@@ -212,7 +216,7 @@ class Engine:
         with ``error`` set and the others still run.
 
         Safe to call from several threads: calls on one engine run one after the other (the KV
-        cache and the compiled steps are the engine's). ``stop`` (:class:`~mmzoo.executor.Drain`),
+        cache and the compiled steps are the engine's). ``drain`` (:class:`~mmzoo.executor.Drain`),
         once set, admits no more requests: the running ones finish (within its timeout) and the
         rest come back with ``finish_reason="abort"``.
         """
@@ -240,11 +244,52 @@ class Engine:
                 if i in failed and on_result:
                     on_result(failed[i])
             self.executor.warm_for(prepared, self._dummy_media())
-            ran = iter(generate(self.executor, prepared, decode_text=self.decode, on_result=on_result, stop=stop))
+            ran = iter(generate(self.executor, prepared, decode_text=self.decode, on_result=on_result, drain=drain))
             results = [failed[i] if i in failed else next(ran) for i in range(len(reqs))]
         if single and results[0].error:
             raise MmzooError(results[0].error)
         return results[0] if single else results
+
+    def stream(self, prompt: str | Request | dict = "", **fields: Any) -> Iterator[StreamOutput]:
+        """Generate for one request (as :meth:`generate` takes it), yielding a :class:`StreamOutput`
+        per token as it is decoded: the text it adds (held back while a stop string could still
+        match, or inside a multi-byte character: the server's rule), its id and its logprobs entry;
+        the last has ``finished`` and the :class:`Result`.
+
+        Streams share one engine loop thread (:class:`~mmzoo.engine_loop.EngineLoop`): several
+        iterated together, from one thread or many, are batched together as a server's requests
+        are. Leaving the loop early (``break``) frees the request's slot. While streams run, the
+        engine's :meth:`generate` waits for them to finish."""
+        from mmzoo.engine_loop import EngineLoop, QueueStream
+        from mmzoo.text import TextStream
+
+        request = self._request(prompt, fields, default_id=0)
+        prepared = self.prepare(request)
+        if self.executor.warms_per_run:
+            with self._lock:
+                self.executor.warm_for([prepared], self._dummy_media())
+        with self._stream_lock:
+            if self._streams is None:
+                self._streams = EngineLoop(self, idle_exit=True)
+        stream = self._streams.submit(prepared, QueueStream())
+        text, done = TextStream(self.decode, request.stop), False
+        try:
+            while True:
+                item = stream.get()
+                if item is None:
+                    break
+                token, logprob = item
+                if not text.stopped:
+                    yield StreamOutput(text=text.push(token), token_ids=[token],
+                                       logprobs=None if logprob is None else [logprob])
+            done = True
+            result = stream.result
+            if result.error and not result.token_ids:
+                raise MmzooError(result.error)
+            yield StreamOutput(text=text.flush(), finished=True, result=result)
+        finally:
+            if not done:  # the caller left the loop: free the slot now
+                self._streams.cancel(stream)
 
     def warm(self, requests: list[str | Request | dict], **fields: Any) -> float:
         """Compile now the graphs ``requests`` (as :meth:`generate` takes them) can hit, without

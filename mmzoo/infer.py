@@ -323,13 +323,13 @@ def run(cfg: DictConfig) -> list[dict]:
             if engine is not None:
                 by_key = {item.key: item for item in runnable}  # ids are unique: duplicates were refused
                 if cfg.requests is None:  # one request: a bad one is the run's error (exit 1, nothing written)
-                    (result,) = engine.generate([runnable[0].request], stop=drain)
+                    (result,) = engine.generate([runnable[0].request], drain=drain)
                     if result.error is None:
                         record(runnable[0], result)
                     elif sig.exit_code is None:
                         raise MmzooError(result.error)
                 else:
-                    engine.generate([item.request for item in runnable], stop=drain,
+                    engine.generate([item.request for item in runnable], drain=drain,
                                     on_result=lambda res: record(by_key[json.dumps(res.id)], res))
         except _OutputFailed as e:
             raise MmzooError(f"{e}; {progress()}") from None

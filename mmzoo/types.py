@@ -55,6 +55,8 @@ class Request:
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0  # 1: no nucleus cut
     seed: _NonNeg | None = None  # per-request sampling seed
     stop_token_ids: list[_NonNeg] = field(default_factory=list)  # stop (inclusive) at any of these, besides EOS
+    # stop strings: the text ends before the first match (held back while it could still become one)
+    stop: list[Annotated[str, Strict(), Field(min_length=1)]] = field(default_factory=list)
     # per generated token, its log-probability and those of the n most likely tokens (vLLM's
     # SamplingParams.logprobs; 0: the token's own only; None: none), up to the executor's max_logprobs
     logprobs: _NonNeg | None = None
@@ -79,6 +81,11 @@ class Request:
         if isinstance(value, (str, bytes)):  # pydantic refuses it too; say what was meant
             raise ValueError(f"must be a list of {info.field_name}, got one string; write [{value!r}]")
         return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stops(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # one stop string, as vLLM and OpenAI take it
 
     @field_validator("prompt")
     @classmethod
@@ -197,3 +204,16 @@ class Result:
             if out[key] is None:
                 del out[key]
         return out
+
+
+@dataclass
+class StreamOutput:
+    """One item of :meth:`mmzoo.Engine.stream`: the text a token adds (possibly empty: held back),
+    its id and its :attr:`Result.logprobs` entry (when asked); the last item has ``finished`` and
+    the whole :class:`Result` (``text`` then holds what was held back, if anything)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None
+    finished: bool = False
+    result: Result | None = None

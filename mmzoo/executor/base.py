@@ -140,6 +140,11 @@ class Executor:
         """Compile every step ahead of time (the XLA executor); returns the seconds taken."""
         return 0.0
 
+    @property
+    def warms_per_run(self) -> bool:
+        """Whether :meth:`warm_for` compiles anything (XLA with ``warmup=needed``)."""
+        return False
+
     def warm_for(self, prepared: list[Prepared], dummy_media=None, *, generate: bool = True) -> float:
         """Compile what a run of ``prepared`` needs and lacks (XLA, ``warmup=needed``); returns the seconds."""
         return 0.0

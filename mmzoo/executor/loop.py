@@ -22,6 +22,7 @@ from mmzoo.errors import MmzooError
 from mmzoo.executor.buckets import Buckets
 from mmzoo.executor.scheduler import Drain, Scheduler, Sequence
 from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling
+from mmzoo.text import TextStream
 from mmzoo.types import Prepared, Result
 
 
@@ -125,7 +126,7 @@ class Generation:
             [] if req.inputs_embeds is not None else [int(t) for t in prepared.input_ids]),
             logprobs=[] if req.logprobs is not None else None)
         seq = Sequence(prepared=prepared, result=result, index=self._added if index is None else index,
-                       rng=np.random.default_rng(req.seed))
+                       rng=np.random.default_rng(req.seed), text=TextStream(self.decode_text, req.stop) if req.stop else None)
         self._added += 1
         self.sched.add(seq)
         return seq
@@ -259,7 +260,15 @@ class Generation:
         if logprobs is not None and _wants_logprobs(seq):
             picked, ids, values = logprobs
             seq.result.logprobs.append(_entry(token, picked[row], ids[row], values[row], seq.request.logprobs))
+        stopped = False
+        if seq.text is not None:  # stop strings: the server's held-back matching (mmzoo.text)
+            seq.text.push(token)
+            stopped = seq.text.stopped
         finished = self.sched.emit(seq, token, cached, self.decode_text)
+        if stopped:
+            if not finished:
+                self.sched.drop(seq)
+            seq.result.finish_reason, seq.result.text, finished = "stop", seq.text.text, True
         if self.on_token:
             self.on_token(seq, token)
         if finished:
@@ -279,13 +288,13 @@ class Generation:
 
 
 def generate(executor, prepared: list[Prepared], *, decode_text: Callable[[list[int]], str],
-             on_result: Callable[[Result], None] | None = None, stop: Drain | None = None) -> list[Result]:
+             on_result: Callable[[Result], None] | None = None, drain: Drain | None = None) -> list[Result]:
     """Generate for every request on ``executor``, ``max_batch`` at a time, refilling slots as
     sequences finish.
 
     Results come back in request order; ``on_result`` is called as each one finishes. A request
     that cannot run (too long, bad parameters) gets a result with ``error`` and the rest go on.
-    Once ``stop`` is set nothing more is admitted; the requests that did not finish come back
+    Once ``drain`` is set nothing more is admitted; the requests that did not finish come back
     with ``finish_reason="abort"`` (not passed to ``on_result``).
     """
     results: list[Result | None] = [None] * len(prepared)
@@ -306,9 +315,9 @@ def generate(executor, prepared: list[Prepared], *, decode_text: Callable[[list[
     for i, p in enumerate(prepared):
         run.add(p, index=i)
     while run.busy:
-        if stop is not None and stop.draining:
+        if drain is not None and drain.draining:
             run.drain()
-            if stop.expired or not run.sched.running:
+            if drain.expired or not run.sched.running:
                 break
         run.step()
     run.settle()

@@ -32,6 +32,7 @@ class Sequence:
     last: int = 0  # the newest token, not yet in the cache
     t_added: float = 0.0  # when it was queued, in seconds after the run's start
     scored: bool = False  # its prompt_logprobs are computed (or it needs none)
+    text: object = None  # its mmzoo.text.TextStream when its request has stop strings
 
     @property
     def request(self):

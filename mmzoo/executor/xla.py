@@ -301,6 +301,10 @@ class XLAExecutor(Executor):
         self._seen, self._after = self.compiled_graphs(), 0
         return self.warmup_s
 
+    @property
+    def warms_per_run(self) -> bool:
+        return self.warmup_mode == "needed"
+
     def warm_for(self, prepared, dummy_media=None, *, generate: bool = True) -> float:
         """With ``warmup=needed``: compile the graphs ``prepared`` can hit that are not compiled
         yet (:func:`mmzoo.executor.warmup.needed`), printing the plan, then arm the compile guard

@@ -96,6 +96,73 @@ def _reason(e: Exception) -> str:
 
 
 MEDIA_PARTS = ("image", "video", "audio")
+# where a part carries its item: transformers' chat parts ({"type": "image", "image" | "url" | "path": ...})
+# and OpenAI's ({"type": "image_url", "image_url": {"url": ...}}, {"type": "input_audio", ...})
+_CARRIERS = {"image": ("image", "url", "path"), "video": ("video", "url", "path"), "audio": ("audio", "url", "path")}
+
+
+def media_from_messages(request: Request) -> Request:
+    """``request`` with the media its message parts carry moved to ``images`` / ``videos`` /
+    ``audios`` (in order), each such part left as the placeholder ``{"type": kind}``: a conversation
+    written as for transformers' processors or for OpenAI's API runs as the server runs it. Media
+    given both in parts and in the lists are refused (which goes where would be a guess)."""
+    from dataclasses import replace
+
+    if not request.messages:
+        return request
+    found: dict[str, list] = {kind: [] for kind in MEDIA_PARTS}
+    messages = []
+    for i, message in enumerate(request.messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            messages.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind, item = _carried(part, f"messages[{i}].content[{j}]")
+            if kind is None:
+                parts.append(part)
+                continue
+            found[kind].append(item)
+            parts.append({"type": kind})
+        messages.append({**message, "content": parts})
+    if not any(found.values()):
+        return request
+    fields = {"images": "image", "videos": "video", "audios": "audio"}
+    for name, kind in fields.items():
+        if found[kind] and getattr(request, name):
+            raise MmzooError(f"messages carry {len(found[kind])} {kind}(s) in their parts and {name} gives "
+                             f"{len(getattr(request, name))} more; give the {kind}s one way")
+    return replace(request, messages=messages, **{name: found[kind] for name, kind in fields.items() if found[kind]})
+
+
+def _carried(part, where: str) -> tuple[str | None, object]:
+    """A media part's kind and the item it carries, or ``(None, None)`` for any other part."""
+    if not isinstance(part, dict):
+        return None, None
+    kind = part.get("type")
+    if kind == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise MmzooError(f"{where}.image_url must be {{'url': ...}} or a string, got {url!r}"[:300])
+        return "image", url
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        data = audio.get("data") if isinstance(audio, dict) else None
+        if not isinstance(data, str):
+            raise MmzooError(f"{where}.input_audio must be {{'data': base64 text, 'format': ...}}"[:300])
+        import base64
+        import binascii
+
+        try:
+            return "audio", base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise MmzooError(f"{where}.input_audio.data is not valid base64 ({e})") from None
+    for key in _CARRIERS.get(kind, ()):
+        if part.get(key) is not None:
+            return kind, part[key]
+    return None, None
 
 
 def _check_messages(messages: list[dict], items: dict[str, int]) -> list[tuple[str, str]]:

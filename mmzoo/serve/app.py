@@ -13,7 +13,7 @@ Then, with the ``openai`` package::
         {"type": "text", "text": "What shape is this?"}]}], temperature=0)
 
 Every bucket is compiled before the port opens (``warmup=all``). Handlers only validate,
-prepare on the host and enqueue; one :class:`~mmzoo.serve.loop.EngineLoop` thread owns the device.
+prepare on the host and enqueue; one :class:`~mmzoo.engine_loop.EngineLoop` thread owns the device.
 SIGINT / SIGTERM stop accepting connections, let the requests in flight finish (at most
 ``drain_timeout_s``), then exit 0.
 """
@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmzoo.cli import hydra_main
 from mmzoo.errors import MmzooError
-from mmzoo.serve.loop import EngineLoop
+from mmzoo.engine_loop import EngineLoop, Stream
 from mmzoo.serve.protocol import (
     BadRequest,
     ChatChoice,
@@ -67,40 +67,8 @@ from mmzoo.serve.protocol import (
     new_id,
     now,
 )
+from mmzoo.text import TextStream
 from mmzoo.types import Request
-
-
-class TextStream:
-    """Incremental text of a generation, with OpenAI's ``stop`` strings: :meth:`push` takes each
-    token and gives the text that is safe to send (held back while it could still become a stop
-    string, or ends inside a multi-byte character); a matched stop string ends the text before it."""
-
-    def __init__(self, decode, stops: list[str]):
-        self.decode, self.stops = decode, stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.tokens: list[int] = []
-        self.text, self.sent, self.stopped = "", 0, False
-
-    def push(self, token: int) -> str:
-        self.tokens.append(token)
-        self.text = self.decode(self.tokens)
-        if self.stops:
-            start = max(0, self.sent - self.hold)
-            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-            if hits:
-                self.text, self.stopped = self.text[:min(hits)], True
-                return self.flush()
-        safe = len(self.text) - self.hold
-        if self.text.endswith("\ufffd"):  # the tokenizer's bytes so far end inside a character
-            safe = min(safe, len(self.text) - 1)
-        if safe <= self.sent:
-            return ""
-        delta, self.sent = self.text[self.sent:safe], safe
-        return delta
-
-    def flush(self) -> str:
-        delta, self.sent = self.text[self.sent:], len(self.text)
-        return delta
 
 
 def _error_body(message: str, param: str | None, status: int = 400) -> dict:
@@ -237,7 +205,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         (``prompt``), a piece per token (the text may be empty: held back, or past a stop string's
         end, which is never yielded), then the end; a client that goes away cancels the sequence."""
         check_open()  # again: the drain may have begun while the request was prepared
-        stream = loop_.submit(prepared, asyncio.get_running_loop())
+        stream = loop_.submit(prepared, Stream(loop=asyncio.get_running_loop()))
         text = TextStream(engine.decode, stops)
         scored = prepared.request.prompt_logprobs is None
         finished = False

@@ -156,6 +156,8 @@ class Sampling(BaseModel):
             out["seed"] = self.seed
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.stops():  # the loop ends the sequence at a match (mmzoo.text), as Python's generate does
+            out["stop"] = self.stops()
         if self.top_logprob_count() is not None:
             out["logprobs"] = self.top_logprob_count()
         if self.prompt_logprobs is not None:

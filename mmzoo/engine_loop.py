@@ -1,8 +1,8 @@
-"""The engine loop: the one thread that owns the device while a server runs.
+"""The engine loop: the one thread that owns the device while a server or Python streams run.
 
-HTTP handlers never touch the executor. They prepare a request on the host (validation, media
-decoding, tokenizing), then :meth:`EngineLoop.submit` it and read its tokens from a
-:class:`Stream`. The loop thread admits what arrived into the running
+HTTP handlers (and :meth:`mmzoo.Engine.stream`) never touch the executor. They prepare a request
+on the host (validation, media decoding, tokenizing), then :meth:`EngineLoop.submit` it and read
+its tokens from a :class:`Stream` (on an event loop) or a :class:`QueueStream` (in any thread). The loop thread admits what arrived into the running
 :class:`~mmzoo.executor.loop.Generation` before every step, so a request that arrives while
 others decode joins the batch at the next step (continuous batching); a cancelled one (a client
 gone, a stop string matched) frees its KV-cache slot at once.
@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from mmzoo.executor.loop import Generation
 from mmzoo.executor.scheduler import Sequence
@@ -34,6 +35,21 @@ class Stream:
 
     def _put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+
+@dataclass
+class QueueStream:
+    """A :class:`Stream` read from a thread: :meth:`get` blocks for the next item."""
+
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    result: Result | None = None
+    seq: Sequence | None = None
+
+    def _put(self, item) -> None:
+        self.events.put(item)
+
+    def get(self) -> Any:
+        return self.events.get()
 
 
 @dataclass
@@ -61,10 +77,14 @@ class EngineLoop:
     Args:
         engine: a built engine (warmed up); the loop holds its lock while it runs, so the
             engine's own ``generate`` waits until the loop stops.
+        idle_exit: end the thread whenever nothing is queued or running (releasing the engine's
+            lock); the next :meth:`submit` starts it again (``Engine.stream``'s loop).
     """
 
-    def __init__(self, engine, *, drain_timeout_s: float = 30.0):
-        self.engine, self.drain_timeout_s = engine, drain_timeout_s
+    def __init__(self, engine, *, drain_timeout_s: float = 30.0, idle_exit: bool = False):
+        self.engine, self.drain_timeout_s, self.idle_exit = engine, drain_timeout_s, idle_exit
+        self._start_lock = threading.Lock()  # a submit and the idle thread's exit decide under it
+        self._exiting = False
         self.draining = False
         self.stats = Stats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -88,11 +108,15 @@ class EngineLoop:
     def graphs_after_warmup(self) -> int:
         return int(self.engine.executor.graphs_since_warmup() or 0)
 
-    def submit(self, prepared: Prepared, loop: asyncio.AbstractEventLoop) -> Stream:
-        """Queue a prepared request; its tokens and result arrive on the returned stream."""
-        stream = Stream(loop=loop)
+    def submit(self, prepared: Prepared, stream):
+        """Queue a prepared request; its tokens and result arrive on ``stream`` (returned)."""
         self.stats.waiting += 1
-        self._inbox.put(("add", (prepared, stream)))
+        with self._start_lock:
+            self._inbox.put(("add", (prepared, stream)))
+            if self.idle_exit and (self._exiting or not self._thread.is_alive()):
+                self._exiting = False
+                self._thread = threading.Thread(target=self._run, name="mmzoo-engine-loop", daemon=True)
+                self._thread.start()
         return stream
 
     def cancel(self, stream: Stream, reason: str = "abort") -> None:
@@ -151,6 +175,11 @@ class EngineLoop:
         while True:
             if self._stop.is_set() and not gen.busy and self._inbox.empty():
                 return False
+            if self.idle_exit and block:
+                with self._start_lock:
+                    if self._inbox.empty():  # idle: end the thread (a later submit starts another)
+                        self._exiting = True
+                        return False
             try:
                 kind, payload = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
             except queue.Empty:

@@ -47,7 +47,7 @@ def test_bad_lines_each_become_an_error_row_and_the_rest_run(qwen2_vl_ckpt, imag
     lines = [
         {**good, "id": "good-1"},
         {"id": "str-int", "prompt": "x", "max_new_tokens": "4"},
-        {"id": "zero", "prompt": "x", "max_new_tokens": 0},
+        {"id": "zero", "prompt": "x", "max_new_tokens": 0, "prompt_logprobs": -1},
         {"id": "negative", "prompt": "x", "max_new_tokens": -2},
         {"id": "absurd", "prompt": "x", "max_new_tokens": 10 ** 9},
         {"id": "bool-str", "prompt": "x", "ignore_eos": "false"},
@@ -76,7 +76,7 @@ def test_bad_lines_each_become_an_error_row_and_the_rest_run(qwen2_vl_ckpt, imag
     assert rows[15]["id"] is None
     for rid in ("good-1", "good-2"):
         assert "error" not in by_id[rid] and len(by_id[rid]["token_ids"]) == 3
-    expect = {"str-int": "max_new_tokens='4'", "zero": "max_new_tokens=0", "negative": "max_new_tokens=-2",
+    expect = {"str-int": "max_new_tokens='4'", "zero": "prompt_logprobs=-1", "negative": "max_new_tokens=-2",
               "absurd": "max_new_tokens=1000000000", "bool-str": "ignore_eos='false'", "list-str": "images=",
               "unknown": "'max_tokens'", "oov": "outside the vocabulary", "str-ids": "prompt_token_ids[0]='1'",
               "long": "max_model_len=256", "too-many-images": "image placeholder", "nan": "non-finite",

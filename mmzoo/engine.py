@@ -111,6 +111,9 @@ class Engine:
             if k is not None and (k > top or top == 0):
                 raise MmzooError(f"{name}={k} is more than this engine computes: executor.max_logprobs="
                                  f"{top}" + (" (log-probabilities are off)" if top == 0 else ""))
+        if request.n > self.executor.max_batch:
+            raise MmzooError(f"n={request.n} samples need {request.n} KV-cache slots at once; executor.max_batch="
+                             f"{self.executor.max_batch}")
         if request.prompt_logprobs is not None and not self.executor.score_prompts:
             raise MmzooError(f"prompt_logprobs={request.prompt_logprobs}: this engine does not score prompts "
                              f"(executor.score_prompts=false)")
@@ -264,6 +267,8 @@ class Engine:
         from mmzoo.text import TextStream
 
         request = self._request(prompt, fields, default_id=0)
+        if request.n != 1:
+            raise MmzooError(f"n={request.n}: stream() yields one sequence; generate() returns n samples")
         prepared = self.prepare(request)
         if self.executor.warms_per_run:
             with self._lock:

@@ -109,7 +109,8 @@ class EngineLoop:
         return int(self.engine.executor.graphs_since_warmup() or 0)
 
     def submit(self, prepared: Prepared, stream):
-        """Queue a prepared request; its tokens and result arrive on ``stream`` (returned)."""
+        """Queue a prepared request; its tokens and result arrive on ``stream`` (returned), or, for
+        ``n`` samples, on a list of ``n`` streams (a sample each)."""
         self.stats.waiting += 1
         with self._start_lock:
             self._inbox.put(("add", (prepared, stream)))
@@ -185,10 +186,11 @@ class EngineLoop:
             except queue.Empty:
                 return True
             if kind == "add":
-                prepared, stream = payload
+                prepared, sinks = payload
                 seq = gen.add(prepared)
-                stream.seq = seq
-                streams[id(seq)] = stream
+                for member, stream in zip(seq.group or [seq], sinks if isinstance(sinks, list) else [sinks]):
+                    stream.seq = member
+                    streams[id(member)] = stream
                 self.stats.prompt_tokens += len(prepared.input_ids)
             elif kind == "cancel":
                 stream, reason = payload

@@ -27,6 +27,7 @@ _Int = Annotated[int, Strict()]
 _NonNeg = Annotated[int, Strict(), Field(ge=0)]
 MAX_NEW_TOKENS = 1 << 20  # a schema bound; the engine also refuses more than its max_model_len
 MAX_TOP_K = 1 << 31  # past any vocabulary (the step holds top_k as int64)
+MAX_N = 1 << 16  # a schema bound; the engine refuses more samples than its KV-cache slots
 MAX_TEMPERATURE = 1e4  # past it float32 logits / temperature underflow to a uniform draw
 
 
@@ -63,6 +64,9 @@ class Request:
     # per prompt token after the first, its log-probability given the ones before and those of the
     # n likeliest there (vLLM's SamplingParams.prompt_logprobs); None: none
     prompt_logprobs: _NonNeg | None = None
+    # samples of the prompt (vLLM's n): the prompt is prefilled once, its KV cache copied into each
+    # sample's slot; each sample draws from its own generator (the first from seed's, as with n=1)
+    n: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] = 1
     id: _Int | Annotated[str, Strict()] | None = None
     # -- other input modes (see README "Input modes") --
     prompt_token_ids: Annotated[list[_NonNeg], Field(min_length=1)] | None = None  # already tokenized (no chat template)
@@ -197,12 +201,16 @@ class Result:
     logprobs: list[dict] | None = None
     # with Request.prompt_logprobs: one entry per prompt token, as logprobs' (None for the first)
     prompt_logprobs: list[dict | None] | None = None
+    # with Request.n > 1: every sample's Result, in order (this one's fields are the first's)
+    samples: list["Result"] | None = None
 
     def to_json(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "token_times_s"}
-        for key in ("error", "logprobs", "prompt_logprobs"):
+        for key in ("error", "logprobs", "prompt_logprobs", "samples"):
             if out[key] is None:
                 del out[key]
+        if "samples" in out:
+            out["samples"] = [s.to_json() for s in out["samples"]]
         return out
 
 

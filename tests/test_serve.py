@@ -231,6 +231,31 @@ def test_scoring_echo_and_several_prompts(xla_server, offline):
         client.completions.create(model="tiny", prompt=[], max_tokens=1)
 
 
+def test_n_samples_are_choices(xla_server, offline, image_files):
+    """``n``: a choice per sample, the prompt prefilled once (its tokens counted once); greedy
+    samples equal the offline answer, seeded ones equal the engine's own samples, streamed too."""
+    client = xla_server.client
+    want = offline(image_files[0], "What is in the image?")
+    r = client.chat.completions.create(model="tiny", messages=_chat(_data_url(image_files[0]), "What is in the image?"),
+                                       n=2, **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1] and [c.model_extra["token_ids"] for c in r.choices] == [want] * 2
+    single = client.chat.completions.create(model="tiny", messages=_chat(_data_url(image_files[0]),
+                                                                         "What is in the image?"), **GREEDY)
+    assert r.usage.prompt_tokens == single.usage.prompt_tokens
+    ids = offline.engine.processor.tokenizer("Once upon a time")["input_ids"]
+    samples = offline.engine.generate({"prompt_token_ids": ids, "max_new_tokens": 5, "temperature": 1.0, "seed": 7,
+                                       "n": 3}).samples
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=1.0, seed=7, n=3,
+              extra_body={"return_token_ids": True})
+    r = client.completions.create(**kw)
+    assert [c.model_extra["token_ids"] for c in r.choices] == [s.token_ids for s in samples]
+    streamed = {0: [], 1: [], 2: []}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.model_extra.get("token_ids") or []
+    assert [streamed[i] for i in range(3)] == [s.token_ids for s in samples]
+
+
 def test_sixteen_concurrent_clients_match_offline_with_no_compiles(xla_server, offline, image_files):
     jobs = [(image_files[i % 3] if i % 4 else None, f"Question {i}: what is this?") for i in range(16)]
     want = [offline(img, q) for img, q in jobs]
@@ -255,7 +280,7 @@ def test_sixteen_concurrent_clients_match_offline_with_no_compiles(xla_server, o
 
 BAD = {
     "unknown model": (dict(model="gpt-9"), "model"),
-    "n > 1": (dict(n=2), "n"),
+    "n over the slots": (dict(n=5), "n=5 samples need 5 KV-cache slots"),
     "too many images": (dict(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "IMG"}}] * 40 + [{"type": "text", "text": "all of them?"}]}]),
         "max_model_len"),

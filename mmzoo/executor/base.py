@@ -380,6 +380,24 @@ class Executor:
         return StepOut(tokens, logits)
 
     @torch.no_grad()
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV-cache slots, ``(source, destination)`` each (a prompt's keys and values into
+        its other samples' slots): one step of ``max_batch - 1`` pairs, padded by copying the first
+        source onto itself."""
+        m = self.max_batch - 1
+        src, dst = [s for s, _ in pairs], [d for _, d in pairs]
+        src, dst = src + [src[0]] * (m - len(src)), dst + [src[0]] * (m - len(dst))
+
+        def step(src, dst):
+            for layer in range(len(self.cache.k)):
+                for held in (self.cache.k, self.cache.v):
+                    held[layer].index_copy_(0, dst, held[layer].index_select(0, src))
+            return ()
+
+        self.run_step(("copy", m), step, [self._tensor(np.array(src)), self._tensor(np.array(dst))], "cache")
+        self._step_done()
+
+    @torch.no_grad()
     def logprobs(self, out: StepOut) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The log-probabilities of a head or decode step's rows (:func:`~mmzoo.executor.steps.logprobs_step`,
         a graph per rows and token count): the picked tokens' ``[r]``, and the ``max_logprobs``

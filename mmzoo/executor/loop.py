@@ -14,6 +14,7 @@ output) before step N's tokens are read back, so the host's per-step work overla
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -120,24 +121,36 @@ class Generation:
         return not self.sched.done or self.inflight is not None
 
     def add(self, prepared: Prepared, *, index: int | None = None) -> Sequence:
-        """Queue a request; it is admitted at a coming :meth:`step` (in arrival order)."""
+        """Queue a request; it is admitted at a coming :meth:`step` (in arrival order). Returns its
+        sequence (with ``n`` samples, the first; ``seq.group`` holds them all)."""
         req = prepared.request
-        result = Result(id=req.id, prompt=req.prompt, prompt_token_ids=(
-            [] if req.inputs_embeds is not None else [int(t) for t in prepared.input_ids]),
-            logprobs=[] if req.logprobs is not None else None)
-        seq = Sequence(prepared=prepared, result=result, index=self._added if index is None else index,
-                       rng=np.random.default_rng(req.seed), text=TextStream(self.decode_text, req.stop) if req.stop else None)
+        ids = [] if req.inputs_embeds is not None else [int(t) for t in prepared.input_ids]
+        members = []
+        for i in range(req.n):  # sample i > 0 draws from (seed, i): its own stream, reproducible
+            rng = np.random.default_rng(req.seed if i == 0 or req.seed is None else [req.seed, i])
+            result = Result(id=req.id, prompt=req.prompt, prompt_token_ids=list(ids),
+                            logprobs=[] if req.logprobs is not None else None)
+            members.append(Sequence(prepared=prepared, result=result, index=self._added if index is None else index,
+                                    rng=rng, text=TextStream(self.decode_text, req.stop) if req.stop else None,
+                                    sample=i))
         self._added += 1
-        self.sched.add(seq)
-        return seq
+        self.sched.add(members[0])
+        if req.n > 1:
+            for m in members:
+                m.group, m.t_added = members, members[0].t_added
+        return members[0]
 
     def cancel(self, seq: Sequence, reason: str = "abort") -> None:
         """Stop ``seq`` now (a client went away, a stop string matched): its slot is free for the
         next waiting request, its result ends with ``finish_reason=reason``."""
         if seq.result.finish_reason or seq.result.error:  # over already
             return
-        if seq in self.sched.waiting:
-            self.sched.waiting.remove(seq)
+        leader = seq.group[0] if seq.group else seq
+        if leader in self.sched.waiting:  # not admitted yet: every sample of the request ends
+            self.sched.waiting.remove(leader)
+            for m in seq.group or [seq]:
+                if m is not seq:
+                    self.cancel(m, reason)
         self.sched.drop(seq)
         seq.result.finish_reason = reason
         seq.result.text = self.decode_text(seq.result.token_ids)
@@ -204,12 +217,15 @@ class Generation:
                     self.sched.waiting.remove(seq)
                     self._fail(seq, e)
                     continue
-                seq.result.prompt_logprobs = [None] + [
-                    _entry(int(t), picked[i], ids[i], values[i], req.prompt_logprobs) for i, t in enumerate(p.input_ids[1:])]
+                scores = [None] + [_entry(int(t), picked[i], ids[i], values[i], req.prompt_logprobs)
+                                   for i, t in enumerate(p.input_ids[1:])]
+                for m in seq.group or [seq]:
+                    m.result.prompt_logprobs = scores
             if req.max_new_tokens == 0:
                 self.sched.waiting.remove(seq)
-                seq.result.finish_reason = "length"
-                self._done(seq)
+                for m in seq.group or [seq]:
+                    m.result.finish_reason = "length"
+                    self._done(m)
 
     def _pack(self, seqs: list[Sequence]) -> tuple[PrefillInputs | None, dict[int, MmzooError]]:
         """``seqs`` (one :func:`prefill_groups` group) packed into their prefill bucket, their media
@@ -230,6 +246,15 @@ class Generation:
         s = self.buckets.prefill_len(sum(len(ids) for ids, *_ in packed))
         inputs = PrefillInputs.pack(s, self.exe.max_batch, self.exe.max_model_len, packed)
         inputs.window = self.buckets.prefill_window(s, max(len(ids) for ids, *_ in packed))
+        # a request's n samples take n head rows at its prompt's last position (its first tokens)
+        kept = [seq for i, seq in enumerate(seqs) if i not in failed]
+        members = [m for seq in kept for m in (seq.group or [seq])]
+        if len(members) > len(kept):
+            last = np.repeat(inputs.last[:len(kept)], [len(seq.group or [seq]) for seq in kept])
+            inputs.last[:] = last[0]
+            inputs.last[:len(last)] = last
+            inputs.slots[:] = members[0].slot
+            inputs.slots[:len(members)] = [m.slot for m in members]
         return inputs, failed
 
     def _prefill(self, seqs: list[Sequence]) -> None:
@@ -241,16 +266,20 @@ class Generation:
             seqs = [seq for i, seq in enumerate(seqs) if i not in failed]
             if inputs is None:
                 return
-            sampling = sampling_for(dict(enumerate(seqs)), self.buckets.head_rows(len(seqs)))
+            members = [m for seq in seqs for m in (seq.group or [seq])]
+            sampling = sampling_for(dict(enumerate(members)), self.buckets.head_rows(len(members)))
             out = self.exe.prefill(inputs, sampling)
+            copies = [(seq.slot, m.slot) for seq in seqs for m in (seq.group or [])[1:]]
+            if copies:  # the prompt's keys and values into its other samples' slots
+                self.exe.copy_slots(copies)
             tokens = out.tokens.cpu().numpy()
-            logprobs = self.exe.logprobs(out) if any(_wants_logprobs(seq) for seq in seqs) else None
+            logprobs = self.exe.logprobs(out) if any(_wants_logprobs(m) for m in members) else None
         except MmzooError as e:
             for seq in seqs:
                 self._fail(seq, e)
             return
         now = time.perf_counter() - self.sched.t0
-        for row, (seq, token) in enumerate(zip(seqs, tokens)):
+        for row, (seq, token) in enumerate(zip(members, tokens)):
             seq.result.ttft_s = now - seq.t_added
             self._emit(seq, int(token), seq.length, logprobs, row)
 
@@ -275,9 +304,10 @@ class Generation:
             self._done(seq)
 
     def _fail(self, seq: Sequence, error: MmzooError) -> None:
-        self.sched.drop(seq)
-        seq.result.error = str(error)
-        self._done(seq)
+        for m in seq.group or [seq]:  # a request's samples fail together (its prompt did)
+            self.sched.drop(m)
+            m.result.error = str(error)
+            self._done(m)
 
     def _done(self, seq: Sequence) -> None:
         r = seq.result
@@ -304,12 +334,22 @@ def generate(executor, prepared: list[Prepared], *, decode_text: Callable[[list[
 
         bar = Progress(len(prepared))
 
+    samples: dict[int, dict[int, Result]] = {}
+
     def done(seq: Sequence) -> None:
-        results[seq.index] = seq.result
+        result = seq.result
+        if seq.group is not None:  # a request's n samples: one Result when the last is done
+            parts = samples.setdefault(seq.index, {})
+            parts[seq.sample] = result
+            if len(parts) < len(seq.group):
+                return
+            ordered = [parts[i] for i in range(len(seq.group))]
+            result = replace(ordered[0], samples=ordered)
+        results[seq.index] = result
         if bar:
-            bar.update(seq.result)
+            bar.update(result)
         if on_result:
-            on_result(seq.result)
+            on_result(result)
 
     run = Generation(executor, decode_text=decode_text, on_done=done)
     for i, p in enumerate(prepared):

@@ -33,6 +33,8 @@ class Sequence:
     t_added: float = 0.0  # when it was queued, in seconds after the run's start
     scored: bool = False  # its prompt_logprobs are computed (or it needs none)
     text: object = None  # its mmzoo.text.TextStream when its request has stop strings
+    sample: int = 0  # which of its request's n samples
+    group: list | None = None  # with n > 1: every sample's Sequence, the first (which waits in the queue) first
 
     @property
     def request(self):
@@ -87,14 +89,19 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def admit(self) -> Iterator[Sequence]:
-        """The waiting sequences that get a free slot now (in order), each already placed in its slot;
-        one that fails its prefill is removed with :meth:`drop`."""
-        for slot in range(self.num_slots):
-            if slot in self.running or not self.waiting:
-                continue
-            seq = self.waiting.popleft()
-            seq.slot, seq.length = slot, len(seq.prepared.input_ids)
-            self.running[slot] = seq
+        """The waiting sequences that get free slots now (in order, the lowest slots first), each
+        already placed; a request of n samples is admitted when n slots are free, its samples all
+        placed and its first yielded. One that fails its prefill is removed with :meth:`drop`."""
+        free = [slot for slot in range(self.num_slots) if slot not in self.running]
+        while self.waiting:
+            seq = self.waiting[0]
+            members = seq.group or [seq]
+            if len(members) > len(free):
+                return
+            self.waiting.popleft()
+            for m in members:
+                m.slot, m.length = free.pop(0), len(m.prepared.input_ids)
+                self.running[m.slot] = m
             yield seq
 
     def drop(self, seq: Sequence) -> None:

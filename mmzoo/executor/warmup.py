@@ -40,7 +40,7 @@ class Graph:
     def __str__(self) -> str:
         if self.kind == "logprobs":
             return f"logprobs b{self.rows}/{self.size}"
-        head = "" if self.kind in ("encode", "embeds", "prefill", "score") else "/greedy" if self.greedy else "/sample"
+        head = "" if self.kind in ("encode", "embeds", "prefill", "score", "copy") else "/greedy" if self.greedy else "/sample"
         window = f" w{self.window}" if self.window else ""
         if self.kind == "decode":
             return f"decode b{self.rows}/kv{self.size}{head}"
@@ -62,6 +62,8 @@ def plan(executor, towers: list[str]) -> list[Graph]:
         out += sorted(set(_logprobs(executor, b.decode_rows, b.decode_rows)), key=lambda g: (g.rows, g.size))
     if executor.score_prompts:
         out += [Graph("score", s) for s in b.prefill]
+    if executor.max_batch > 1:  # a request's samples share its prompt's keys and values
+        out.append(Graph("copy", executor.max_batch - 1))
     return out
 
 
@@ -84,7 +86,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
 
     b = executor.buckets
     out: set[Graph] = set()
-    lo, hi, heads, logprobs = None, 0, set(), False
+    lo, hi, heads, logprobs, copies = None, 0, set(), False, False
     prompts = []  # (tokens, greedy) of each prompt that can run, in order
     for p in prepared:
         try:
@@ -100,6 +102,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
                 greedy = not req.temperature > 0
                 executor.check_prompt(p)
                 logprobs = logprobs or req.logprobs is not None
+                copies = copies or req.n > 1
                 if req.prompt_logprobs is not None:
                     graphs.add(Graph("score", b.prefill_len(n)))
                 if req.max_new_tokens == 0:  # scored only: no slot, no prefill
@@ -114,16 +117,17 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
             continue
         out |= graphs
         if generate:
-            prompts.append((n, greedy))
+            prompts.append((n, greedy, req.n))
     # the prompts admitted together are packed into one prefill step: admission takes waiting
     # requests in order, so a step holds a consecutive run of up to max_batch prompts (any run,
     # as slots free up) within the token budget
     budget = b.prefill_budget
     for i in range(len(prompts)):
-        tokens, longest, greedy, any_greedy = 0, 0, True, False
-        for k, (n, g) in enumerate(prompts[i:i + executor.max_batch], start=1):
+        tokens, longest, greedy, any_greedy, k = 0, 0, True, False, 0
+        for n, g, samples in prompts[i:i + executor.max_batch]:
             tokens, longest, greedy, any_greedy = tokens + n, max(longest, n), greedy and g, any_greedy or g
-            if tokens > budget:
+            k += samples  # head rows: a row per sample
+            if tokens > budget or k > executor.max_batch:
                 break
             s = b.prefill_len(tokens)
             out.add(Graph("prefill", s, window=b.prefill_window(s, longest)))
@@ -135,15 +139,17 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
         first, last = b.decode_kv_len(lo), b.decode_kv_len(hi)
         # the slots of the running sequences: the lowest free first, so below min(requests, max_batch),
         # and the highest running one anywhere below that as sequences finish
-        slots = [r for r in b.decode_rows if r <= b.rows(min(len(prompts), executor.max_batch))]
+        slots = [r for r in b.decode_rows if r <= b.rows(min(sum(p[2] for p in prompts), executor.max_batch))]
         # a decode batch is some of the running sequences: greedy where a greedy request can be
         # among them alone, sampling where a sampling one can be among them
         for kv in (k for k in b.decode_kv if first <= k <= last):
             out |= {Graph("decode", kv, greedy=g, rows=r) for g in heads for r in slots}
+    if copies:
+        out.add(Graph("copy", executor.max_batch - 1))
     if logprobs:  # the rows of every head and decode step the run can take
         out |= set(_logprobs(executor, {g.rows for g in out if g.kind == "head"},
                              {g.rows for g in out if g.kind == "decode"}))
-    order = {"encode": 0, "embeds": 1, "prefill": 2, "head": 3, "decode": 4, "logprobs": 5, "score": 6}
+    order = {"encode": 0, "embeds": 1, "prefill": 2, "head": 3, "decode": 4, "logprobs": 5, "score": 6, "copy": 7}
     return sorted(out, key=lambda g: (order[g.kind], g.tower or "", g.rows or 0, g.size, g.window or 0, not g.greedy))
 
 
@@ -185,6 +191,8 @@ def run(executor, graphs: list[Graph], dummy_media: Callable[[str, int], TowerIn
             out = executor.prefill_head(hidden, _sampling(g.rows, g.greedy))
         elif g.kind == "decode":
             out = executor.decode(DecodeInputs.zeros(g.rows, g.size), _sampling(g.rows, g.greedy))
+        elif g.kind == "copy":
+            executor.copy_slots([(0, 0)])
         elif g.kind == "score":
             executor.score(Prepared(request=None, input_ids=np.zeros(g.size, np.int64),
                                     positions=np.zeros((axes, g.size), np.int64), position_delta=0,

@@ -200,12 +200,16 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                     raise BadRequest(param + msg[len(item):], param) from None
             raise
 
-    async def generate(prepared, stops: list[str]) -> AsyncIterator[Piece]:
-        """The request's pieces (:class:`Piece`): its prompt's log-probabilities first when it asked
-        (``prompt``), a piece per token (the text may be empty: held back, or past a stop string's
-        end, which is never yielded), then the end; a client that goes away cancels the sequence."""
+    def submit(prepared) -> list[Stream]:
+        """Queue a prepared request on the engine loop: a stream per sample (``n``)."""
         check_open()  # again: the drain may have begun while the request was prepared
-        stream = loop_.submit(prepared, Stream(loop=asyncio.get_running_loop()))
+        return loop_.submit(prepared, [Stream(loop=asyncio.get_running_loop()) for _ in range(prepared.request.n)])
+
+    async def generate(prepared, stops: list[str], stream: Stream) -> AsyncIterator[Piece]:
+        """One sample's pieces (:class:`Piece`) from its ``stream``: its prompt's log-probabilities
+        first when it asked (``prompt``), a piece per token (the text may be empty: held back, or
+        past a stop string's end, which is never yielded), then the end; a client that goes away
+        cancels the sequence."""
         text = TextStream(engine.decode, stops)
         scored = prepared.request.prompt_logprobs is None
         finished = False
@@ -255,7 +259,8 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         if body.stream:
             return StreamingResponse(sse(kind, body, prepared, stops, rid, created, echo),
                                      media_type="text/event-stream")
-        collect = asyncio.ensure_future(asyncio.gather(*(_collect(generate(p, stops)) for p in prepared)))
+        runs = [(i, p, stream) for i, p in enumerate(prepared) for stream in submit(p)]  # a choice each
+        collect = asyncio.ensure_future(asyncio.gather(*(_collect(generate(p, stops, s)) for _, p, s in runs)))
         gone = asyncio.ensure_future(until_disconnected(http))
         done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         if collect not in done:  # the client left: cancelling the collectors cancels the sequences
@@ -270,25 +275,24 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
             if reason == "abort":  # cut by the drain timeout (a client that left gets no answer)
                 raise ShuttingDown(f"the server is shutting down; the request was cut after drain_timeout_s="
                                    f"{drain_timeout_s:g} with {len(tokens)} tokens generated")
-        n_prompt = sum(a.end[1] for a in answers)
+        n_prompt = sum(len(p.input_ids) for p in prepared)  # once per prompt, however many samples
         n_out = sum(len(a.end[2]) for a in answers)
         usage = Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
         wants = body.top_logprob_count() is not None
         if kind == "chat":
-            (a,) = answers
-            lp = chat_logprobs(a.entries, token_text) if wants else None
             return ChatCompletion(id=rid, created=created, model=body.model, usage=usage,
-                                  prompt_logprobs=vllm_prompt_logprobs(a.prompt, token_text), choices=[
-                ChatChoice(message=ChatMessageOut(content=a.text), finish_reason=a.end[0], logprobs=lp,
-                           token_ids=a.end[2] if body.return_token_ids else None)])
+                                  prompt_logprobs=vllm_prompt_logprobs(answers[0].prompt, token_text), choices=[
+                ChatChoice(index=j, message=ChatMessageOut(content=a.text), finish_reason=a.end[0],
+                           logprobs=chat_logprobs(a.entries, token_text) if wants else None,
+                           token_ids=a.end[2] if body.return_token_ids else None) for j, a in enumerate(answers)])
         choices = []
-        for i, (a, p) in enumerate(zip(answers, prepared)):
+        for j, (a, (i, p, _)) in enumerate(zip(answers, runs)):
             head = echo[i] if echo else ""
             items = [(e["token_id"], e) for e in a.entries]
             if echo and wants:  # the prompt's tokens first, the first without a log-probability
                 items = _prompt_items(p, a.prompt) + items
             choices.append(CompletionChoice(
-                index=i, text=head + a.text, finish_reason=a.end[0],
+                index=j, text=head + a.text, finish_reason=a.end[0],
                 logprobs=completion_logprobs(items, token_text) if wants else None,
                 prompt_logprobs=vllm_prompt_logprobs(a.prompt, token_text),
                 token_ids=a.end[2] if body.return_token_ids else None))
@@ -299,14 +303,15 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
             return f"data: {obj.model_dump_json()}\n\n"
 
         wants = body.top_logprob_count() is not None
-        sent = [0] * len(prepared)  # characters streamed so far per choice (the completions' text_offset)
+        runs = [(i, p, stream) for i, p in enumerate(prepared) for stream in submit(p)]  # a choice each
+        sent = [0] * len(runs)  # characters streamed so far per choice (the completions' text_offset)
 
         def chunk(i: int, delta: str | None, reason: str | None, first: bool = False, ids: list[int] | None = None,
                   items: list | None = None, prompt: list | None = None):
             if kind == "chat":
                 lp = chat_logprobs([e for _, e in items], token_text) if items else None
                 return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[ChunkChoice(
-                    delta=Delta(role="assistant" if first else None, content=delta), finish_reason=reason,
+                    index=i, delta=Delta(role="assistant" if first else None, content=delta), finish_reason=reason,
                     logprobs=lp, token_ids=ids)], prompt_logprobs=vllm_prompt_logprobs(prompt, token_text))
             lp = completion_logprobs(items, token_text, sent[i]) if items else None
             return Completion(id=rid, created=created, model=body.model, choices=[CompletionChoice(
@@ -316,24 +321,25 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         per_token = body.return_token_ids or wants
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def feed(i: int, p) -> None:
+        async def feed(j: int, p, stream) -> None:
             try:
-                async for piece in generate(p, stops):
-                    await queue.put((i, piece))
+                async for piece in generate(p, stops, stream):
+                    await queue.put((j, piece))
             except MmzooError as e:
-                await queue.put((i, e))
-            await queue.put((i, None))
+                await queue.put((j, e))
+            await queue.put((j, None))
 
-        tasks = [asyncio.ensure_future(feed(i, p)) for i, p in enumerate(prepared)]
-        usage, left, error = [0, 0], len(prepared), None
+        tasks = [asyncio.ensure_future(feed(j, p, stream)) for j, (_, p, stream) in enumerate(runs)]
+        usage, left, error = [sum(len(p.input_ids) for p in prepared), 0], len(runs), None
         try:
             if kind == "chat":
-                yield event(chunk(0, "", None, first=True))
+                for j in range(len(runs)):
+                    yield event(chunk(j, "", None, first=True))
             elif echo:  # each prompt's text first (its log-probabilities come with its scoring)
-                for i, text in enumerate(echo):
-                    if prepared[i].request.prompt_logprobs is None or not wants:
-                        yield event(chunk(i, text, None))
-                        sent[i] += len(text)
+                for j, (i, p, _) in enumerate(runs):
+                    if p.request.prompt_logprobs is None or not wants:
+                        yield event(chunk(j, echo[i], None))
+                        sent[j] += len(echo[i])
             while left:
                 i, piece = await queue.get()
                 if piece is None:
@@ -344,9 +350,10 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                     continue
                 if piece.scored:
                     if echo and wants:  # the echoed prompt with its log-probabilities
-                        yield event(chunk(i, echo[i], None, items=_prompt_items(prepared[i], piece.prompt),
+                        prompt_index, p, _ = runs[i]
+                        yield event(chunk(i, echo[prompt_index], None, items=_prompt_items(p, piece.prompt),
                                           prompt=piece.prompt))
-                        sent[i] += len(echo[i])
+                        sent[i] += len(echo[prompt_index])
                     elif piece.prompt is not None:
                         yield event(chunk(i, "", None, prompt=piece.prompt))
                     continue
@@ -359,8 +366,8 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                         yield event(chunk(i, piece.text, None))
                     sent[i] += len(piece.text)
                     continue
-                reason, n_prompt, tokens = piece.end
-                usage[0], usage[1] = usage[0] + n_prompt, usage[1] + len(tokens)
+                reason, _, tokens = piece.end
+                usage[1] += len(tokens)
                 yield event(chunk(i, None if kind == "chat" else "", reason))
             if error is not None:
                 raise error

@@ -96,7 +96,7 @@ class Sampling(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; -1 or 0: off
     seed: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1)  # samples of the prompt: a choice each
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension
@@ -126,8 +126,6 @@ class Sampling(BaseModel):
         "response_format": None}
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise BadRequest(f"n={self.n}: mmzoo returns one choice per request (n=1)", "n")
         for name in self._NEUTRAL:
             value = getattr(self, name, None)
             if value not in (self._NEUTRAL[name], None):
@@ -162,6 +160,8 @@ class Sampling(BaseModel):
             out["logprobs"] = self.top_logprob_count()
         if self.prompt_logprobs is not None:
             out["prompt_logprobs"] = self.prompt_logprobs
+        if self.n != 1:
+            out["n"] = self.n
         return out
 
     def top_logprob_count(self) -> int | None:

@@ -24,6 +24,8 @@ def test_wheel_carries_every_config_and_an_install_finds_them(tmp_path):
     confs = {str(f.relative_to(ROOT / "conf")) for f in (ROOT / "conf").rglob("*.yaml")}
     assert confs and {f"mmzoo/conf/{c}" for c in confs} <= names
     assert "mmzoo/assets/qwen2_vl_shapes/model.safetensors" in names
+    modules = {str(f.relative_to(ROOT)) for f in (ROOT / "mmzoo").rglob("*.py") if "__pycache__" not in f.parts}
+    assert modules and sorted(modules - names) == []  # every module ships (mmzoo.serve too)
     target = tmp_path / "site"
     p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                        capture_output=True, text=True, timeout=600)

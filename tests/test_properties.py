@@ -155,7 +155,7 @@ if "messages" in mmzoo.types.REQUEST_FIELDS:  # a whole conversation instead of 
             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Go"}]}],
             [{"role": "user", "content": "\ud800"}],
         ])), st.sampled_from(["hi", [1], ["hi"], {"role": "user"}, [[{"role": "user"}]], 5]))
-UNKNOWN_KEYS = st.dictionaries(st.sampled_from(["max_tokens", "Prompt", "images ", "", "n", "stream", "__class__"]),
+UNKNOWN_KEYS = st.dictionaries(st.sampled_from(["max_tokens", "Prompt", "images ", "", "best_of", "stream", "__class__"]),
                                JUNK, min_size=1, max_size=2)
 
 

@@ -28,13 +28,14 @@ demo: $(STAMP)
 # The files run in two pytest sessions, half each, so each worker process is fresh halfway: a process
 # keeps every XLA:CPU executable it compiled (100-260 memory maps each), and one worker that ran half
 # the suite passed the kernel's vm.max_map_count (65530) and segfaulted inside an XLA compile
+# Each session lists its 10 slowest tests (--durations), to see where the time goes
 TEST_WORKERS ?= 2
 TEST_FILES := $(sort $(wildcard tests/test_*.py))
 TEST_HALF := $(shell echo $$(( $(words $(TEST_FILES)) / 2 )))
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(wordlist 1,$(TEST_HALF),$(TEST_FILES)); \
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=10 $(wordlist 1,$(TEST_HALF),$(TEST_FILES)); \
 	first=$$?; \
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(wordlist $(shell echo $$(( $(TEST_HALF) + 1 ))),1000,$(TEST_FILES)); \
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=10 $(wordlist $(shell echo $$(( $(TEST_HALF) + 1 ))),1000,$(TEST_FILES)); \
 	second=$$?; \
 	exit $$(( first || second ))
 

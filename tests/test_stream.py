@@ -12,6 +12,7 @@ import pytest
 
 import mmzoo
 from mmzoo.errors import MmzooError
+from mmzoo.fixtures import make_image
 
 GEN = dict(max_new_tokens=12, ignore_eos=True)
 
@@ -84,6 +85,12 @@ def test_messages_carry_their_media_as_the_server_takes_them(engine, image_files
                  {"type": "image_url", "image_url": {"url": image_files[0]}}):
         messages = [{"role": "user", "content": [part, question]}]
         assert engine.generate(mmzoo.Request(messages=messages, **GEN)).token_ids == want, part
+    frames = [make_image(56, 56, seed=10 + i) for i in range(4)]  # a video as its frames
+    ask = {"type": "text", "text": "What happens?"}
+    want = engine.generate(mmzoo.Request(messages=[{"role": "user", "content": [{"type": "video"}, ask]}],
+                                         videos=[frames], **GEN)).token_ids
+    messages = [{"role": "user", "content": [{"type": "video", "video": frames}, ask]}]
+    assert engine.generate(mmzoo.Request(messages=messages, **GEN)).token_ids == want
     with pytest.raises(MmzooError, match=r"messages carry 1 image\(s\) in their parts and images gives 1 more"):
         engine.generate(mmzoo.Request(messages=[{"role": "user", "content": [{"type": "image", "image": image_files[0]},
                                                                             question]}], images=image_files[:1]))

@@ -188,7 +188,7 @@ class EngineLoop:
             if kind == "add":
                 prepared, sinks = payload
                 seq = gen.add(prepared)
-                for member, stream in zip(seq.group or [seq], sinks if isinstance(sinks, list) else [sinks]):
+                for member, stream in zip(seq.members, sinks if isinstance(sinks, list) else [sinks]):
                     stream.seq = member
                     streams[id(member)] = stream
                 self.stats.prompt_tokens += len(prepared.input_ids)

@@ -148,7 +148,7 @@ class Generation:
         leader = seq.group[0] if seq.group else seq
         if leader in self.sched.waiting:  # not admitted yet: every sample of the request ends
             self.sched.waiting.remove(leader)
-            for m in seq.group or [seq]:
+            for m in seq.members:
                 if m is not seq:
                     self.cancel(m, reason)
         self.sched.drop(seq)
@@ -219,11 +219,11 @@ class Generation:
                     continue
                 scores = [None] + [_entry(int(t), picked[i], ids[i], values[i], req.prompt_logprobs)
                                    for i, t in enumerate(p.input_ids[1:])]
-                for m in seq.group or [seq]:
+                for m in seq.members:
                     m.result.prompt_logprobs = scores
             if req.max_new_tokens == 0:
                 self.sched.waiting.remove(seq)
-                for m in seq.group or [seq]:
+                for m in seq.members:
                     m.result.finish_reason = "length"
                     self._done(m)
 
@@ -248,9 +248,9 @@ class Generation:
         inputs.window = self.buckets.prefill_window(s, max(len(ids) for ids, *_ in packed))
         # a request's n samples take n head rows at its prompt's last position (its first tokens)
         kept = [seq for i, seq in enumerate(seqs) if i not in failed]
-        members = [m for seq in kept for m in (seq.group or [seq])]
+        members = [m for seq in kept for m in seq.members]
         if len(members) > len(kept):
-            last = np.repeat(inputs.last[:len(kept)], [len(seq.group or [seq]) for seq in kept])
+            last = np.repeat(inputs.last[:len(kept)], [len(seq.members) for seq in kept])
             inputs.last[:] = last[0]
             inputs.last[:len(last)] = last
             inputs.slots[:] = members[0].slot
@@ -266,10 +266,10 @@ class Generation:
             seqs = [seq for i, seq in enumerate(seqs) if i not in failed]
             if inputs is None:
                 return
-            members = [m for seq in seqs for m in (seq.group or [seq])]
+            members = [m for seq in seqs for m in seq.members]
             sampling = sampling_for(dict(enumerate(members)), self.buckets.head_rows(len(members)))
             out = self.exe.prefill(inputs, sampling)
-            copies = [(seq.slot, m.slot) for seq in seqs for m in (seq.group or [])[1:]]
+            copies = [(seq.slot, m.slot) for seq in seqs for m in seq.members[1:]]
             if copies:  # the prompt's keys and values into its other samples' slots
                 self.exe.copy_slots(copies)
             tokens = out.tokens.cpu().numpy()
@@ -304,7 +304,7 @@ class Generation:
             self._done(seq)
 
     def _fail(self, seq: Sequence, error: MmzooError) -> None:
-        for m in seq.group or [seq]:  # a request's samples fail together (its prompt did)
+        for m in seq.members:  # a request's samples fail together (its prompt did)
             self.sched.drop(m)
             m.result.error = str(error)
             self._done(m)

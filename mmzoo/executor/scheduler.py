@@ -40,6 +40,11 @@ class Sequence:
     def request(self):
         return self.prepared.request
 
+    @property
+    def members(self) -> list["Sequence"]:
+        """Its request's samples: ``group``, or itself alone."""
+        return self.group or [self]
+
 
 @dataclass
 class Drain:
@@ -95,7 +100,7 @@ class Scheduler:
         free = [slot for slot in range(self.num_slots) if slot not in self.running]
         while self.waiting:
             seq = self.waiting[0]
-            members = seq.group or [seq]
+            members = seq.members
             if len(members) > len(free):
                 return
             self.waiting.popleft()

@@ -74,8 +74,7 @@ class BucketSpec:
             with_top(self.decode_kv, max_model_len, "executor.buckets.decode_kv", "max_model_len")
         if self.decode_rows != "auto":
             with_top(self.decode_rows, max_batch, "executor.buckets.decode_rows", "max_batch")
-        if self.windowed_prefill not in ("auto", True, False):
-            raise ValueError(f"executor.buckets.windowed_prefill={self.windowed_prefill!r}: choose auto, true or false")
+        auto_or_bool("executor.buckets.windowed_prefill", self.windowed_prefill)
 
     def resolve(self, *, max_model_len: int, max_batch: int, max_prefill_tokens: int, towers: Mapping,
                 lm_backends: list, cpu_alone: bool, mesh: bool, family=None) -> Buckets:
@@ -173,6 +172,10 @@ class LayoutSpec:
     transpose_keys: Any = "auto"
     rotary_table: Any = "auto"
 
+    def __post_init__(self):
+        for f in fields(self):
+            auto_or_bool(f"executor.layout.{f.name}", getattr(self, f.name))
+
 
 @dataclass
 class CompileSpec:
@@ -195,6 +198,24 @@ class CompileSpec:
     cache_dir: str | None = None
     replay_steps: Any = "auto"
 
+    def __post_init__(self):
+        if self.on_recompile not in ("error", "warn", "ignore"):
+            raise ValueError(f"executor.compile.on_recompile={self.on_recompile!r}: choose error, warn or ignore")
+        auto_or_bool("executor.compile.replay_steps", self.replay_steps)
+        if self.mode not in ("all", "needed", "none"):
+            raise ValueError(f"executor.compile.warmup={self.warmup!r}: choose all, needed or none")
+
+    @property
+    def mode(self) -> str:
+        """``warmup`` as ``all``, ``needed`` or ``none`` (true and false are ``all`` and ``none``)."""
+        return {True: "all", False: "none"}.get(self.warmup, self.warmup)
+
+
+def auto_or_bool(name: str, value) -> None:
+    """Refuse ``value`` of the option ``name`` unless it is ``"auto"``, True or False."""
+    if value not in ("auto", True, False):
+        raise ValueError(f"{name}={value!r}: choose auto, true or false")
+
 
 def misplaced(options: Mapping) -> str:
     """The error for XLA executor options given outside their group: where each one belongs."""
@@ -203,6 +224,4 @@ def misplaced(options: Mapping) -> str:
     parts = [f"{name!r} (it is executor.{where[name]}.{name})" if name in where else repr(name) for name in options]
     return (f"executor: unknown option{'s' * (len(parts) > 1)} {', '.join(parts)}; the XLA executor takes "
             f"max_model_len, max_batch, max_prefill_tokens, max_logprobs, score_prompts, progress and the groups "
-            f"buckets, layout "
-            f"and compile "
-            f"(conf/executor/xla.yaml)")
+            f"buckets, layout and compile (conf/executor/xla.yaml)")

@@ -72,18 +72,10 @@ class XLAExecutor(Executor):
         self.bucket_spec = BucketSpec.from_config(buckets)
         self.bucket_spec.check(max_model_len=max_model_len, max_batch=max_batch,
                                max_prefill_tokens=self.max_prefill_tokens)
-        self.layout_spec = LayoutSpec(**known("executor.layout", LayoutSpec, layout))
-        for key, value in asdict(self.layout_spec).items():
-            _auto_or_bool(f"executor.layout.{key}", value)
+        self.layout_spec = LayoutSpec(**known("executor.layout", LayoutSpec, layout))  # each checked as it is made
         self.compile_spec = spec = CompileSpec(**known("executor.compile", CompileSpec, compile))
-        if spec.on_recompile not in ("error", "warn", "ignore"):
-            raise ValueError(f"executor.compile.on_recompile={spec.on_recompile!r}: choose error, warn or ignore")
-        _auto_or_bool("executor.compile.replay_steps", spec.replay_steps)
-        mode = {True: "all", False: "none"}.get(spec.warmup, spec.warmup)
-        if mode not in ("all", "needed", "none"):
-            raise ValueError(f"executor.compile.warmup={spec.warmup!r}: choose all, needed or none")
-        self.warmup_mode, self.on_recompile = mode, spec.on_recompile
-        self.do_warmup = mode == "all"
+        self.warmup_mode, self.on_recompile = spec.mode, spec.on_recompile
+        self.do_warmup = spec.mode == "all"
         self.layouts: LayoutSpec | None = None  # resolve(): every layout as true or false
         self.replaying = False  # resolve(): replay_steps against the mesh
         self._replays: dict = {}  # step key (kind and static shape) -> ReplayedStep
@@ -336,13 +328,6 @@ class XLAExecutor(Executor):
         if self._after is None:
             self._after = 0
         return secs
-
-
-def _auto_or_bool(name: str, value):
-    """``value`` of the option ``name`` if it is ``"auto"``, True or False; else a clear error."""
-    if value not in ("auto", True, False):
-        raise ValueError(f"{name}={value!r}: choose auto, true or false")
-    return value
 
 
 def _init_cache(path: str) -> None:

@@ -283,10 +283,9 @@ class Engine:
                 item = stream.get()
                 if item is None:
                     break
-                token, logprob = item
-                if not text.stopped:
-                    yield StreamOutput(text=text.push(token), token_ids=[token],
-                                       logprobs=None if logprob is None else [logprob])
+                token, logprob = item  # the loop ends the sequence at a stop string's match
+                yield StreamOutput(text=text.push(token), token_ids=[token],
+                                   logprobs=None if logprob is None else [logprob])
             done = True
             result = stream.result
             if result.error and not result.token_ids:

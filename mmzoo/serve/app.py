@@ -222,20 +222,15 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                     yield Piece(scored=True, prompt=result.prompt_logprobs)
                 if item is None:
                     break
-                if text.stopped:
-                    continue
-                token, logprob = item
-                delta = text.push(token)
-                if text.stopped:
-                    loop_.cancel(stream, "stop")
-                yield Piece(text=delta, token=token, logprob=logprob)
+                token, logprob = item  # the loop ends the sequence at a stop string's match (Request.stop)
+                yield Piece(text=text.push(token), token=token, logprob=logprob)
             result = stream.result
             if result.error and not result.token_ids:
                 raise MmzooError(result.error)
             tail = text.flush()
             if tail:
                 yield Piece(text=tail)
-            reason = "stop" if text.stopped else finish_reason(result.finish_reason)
+            reason = finish_reason(result.finish_reason)
             finished = True
             yield Piece(end=(reason, len(prepared.input_ids), list(text.tokens)))
         finally:

@@ -232,7 +232,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                 yield Piece(text=tail)
             reason = finish_reason(result.finish_reason)
             finished = True
-            yield Piece(end=(reason, len(prepared.input_ids), list(text.tokens)))
+            yield Piece(end=(reason, list(text.tokens)))
         finally:
             if not finished:  # the client went away (or the handler failed): free the slot now
                 loop_.cancel(stream)
@@ -266,12 +266,12 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         gone.cancel()
         answers = collect.result()
         for answer in answers:
-            reason, _, tokens = answer.end
+            reason, tokens = answer.end
             if reason == "abort":  # cut by the drain timeout (a client that left gets no answer)
                 raise ShuttingDown(f"the server is shutting down; the request was cut after drain_timeout_s="
                                    f"{drain_timeout_s:g} with {len(tokens)} tokens generated")
         n_prompt = sum(len(p.input_ids) for p in prepared)  # once per prompt, however many samples
-        n_out = sum(len(a.end[2]) for a in answers)
+        n_out = sum(len(a.end[1]) for a in answers)
         usage = Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
         wants = body.top_logprob_count() is not None
         if kind == "chat":
@@ -279,7 +279,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                                   prompt_logprobs=vllm_prompt_logprobs(answers[0].prompt, token_text), choices=[
                 ChatChoice(index=j, message=ChatMessageOut(content=a.text), finish_reason=a.end[0],
                            logprobs=chat_logprobs(a.entries, token_text) if wants else None,
-                           token_ids=a.end[2] if body.return_token_ids else None) for j, a in enumerate(answers)])
+                           token_ids=a.end[1] if body.return_token_ids else None) for j, a in enumerate(answers)])
         choices = []
         for j, (a, (i, p, _)) in enumerate(zip(answers, runs)):
             head = echo[i] if echo else ""
@@ -290,7 +290,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                 index=j, text=head + a.text, finish_reason=a.end[0],
                 logprobs=completion_logprobs(items, token_text) if wants else None,
                 prompt_logprobs=vllm_prompt_logprobs(a.prompt, token_text),
-                token_ids=a.end[2] if body.return_token_ids else None))
+                token_ids=a.end[1] if body.return_token_ids else None))
         return Completion(id=rid, created=created, model=body.model, usage=usage, choices=choices)
 
     async def sse(kind, body, prepared, stops, rid, created, echo) -> AsyncIterator[str]:
@@ -332,7 +332,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                     yield event(chunk(j, "", None, first=True))
             elif echo:  # each prompt's text first (its log-probabilities come with its scoring)
                 for j, (i, p, _) in enumerate(runs):
-                    if p.request.prompt_logprobs is None or not wants:
+                    if not wants:  # with logprobs, the prompt is sent with its scores (below)
                         yield event(chunk(j, echo[i], None))
                         sent[j] += len(echo[i])
             while left:
@@ -361,7 +361,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                         yield event(chunk(i, piece.text, None))
                     sent[i] += len(piece.text)
                     continue
-                reason, _, tokens = piece.end
+                reason, tokens = piece.end
                 usage[1] += len(tokens)
                 yield event(chunk(i, None if kind == "chat" else "", reason))
             if error is not None:
@@ -450,7 +450,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
 class Piece:
     """One item of a request's output as the server reads it: text (possibly empty), the token it
     came with and that token's logprobs entry; ``prompt``: the prompt's log-probabilities;
-    ``end``: ``(finish_reason, prompt tokens, generated token ids)``."""
+    ``end``: ``(finish_reason, generated token ids)``."""
 
     text: str = ""
     token: int | None = None

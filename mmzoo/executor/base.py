@@ -330,31 +330,32 @@ class Executor(MediaSteps):
         none) and the ``max_logprobs`` likeliest at each position (``[n - 1, k]`` ids and theirs),
         one step at the prompt's prefill bucket (:func:`~mmzoo.executor.steps.score_step`), read
         back. Its media are encoded into the buffer first."""
-        n = len(prepared.input_ids)
-        index, _ = self.encode_prompt(prepared, 0)
-        s, k = self.buckets.prefill_len(n), self.max_logprobs
-        p = PrefillInputs.pack(s, 1, self.max_model_len, [(prepared.input_ids, prepared.positions, index, 0)])
+        p, k = self._alone(prepared), self.max_logprobs
 
         def step(tokens, media):
             return score_step(self.model, k, tokens, media)
 
-        result = self.run_step(("score", s, k), step, [self._tensor(p.token_rows()), self.media], None)
+        result = self.run_step(("score", len(p.input_ids), k), step, [self._tensor(p.token_rows()), self.media], None)
         self._step_done()
-        return tuple(t.cpu().numpy()[: n - 1] for t in result)
+        return tuple(t.cpu().numpy()[: len(prepared.input_ids) - 1] for t in result)
 
     @torch.no_grad()
     def prompt_logits(self, prepared: Prepared) -> np.ndarray:
         """``[n, vocab]`` float32 logits at every prompt position (no cache; for scoring and tests)."""
-        n = len(prepared.input_ids)
         self._check_positions(prepared)
-        index, _ = self.encode_prompt(prepared, 0)
-        p = PrefillInputs.pack(self.buckets.prefill_len(n), 1, self.max_model_len,
-                               [(prepared.input_ids, prepared.positions, index, 0)])
+        p = self._alone(prepared)
         self._step_begin()
         logits = self.model(self._tensor(p.input_ids[None]), self._tensor(p.positions[:, None]), mm_embeds=self.media,
                             mm_index=self._tensor(p.mm_index[None]))
         self._step_done()
-        return logits[0].cpu().numpy()[:n]
+        return logits[0].cpu().numpy()[: len(prepared.input_ids)]
+
+    def _alone(self, prepared: Prepared) -> PrefillInputs:
+        """One prompt in its prefill bucket, its media encoded into the buffer from row 0 (a
+        whole-prompt step without the cache: :meth:`score`, :meth:`prompt_logits`)."""
+        index, _ = self.encode_prompt(prepared, 0)
+        return PrefillInputs.pack(self.buckets.prefill_len(len(prepared.input_ids)), 1, self.max_model_len,
+                                  [(prepared.input_ids, prepared.positions, index, 0)])
 
 
 def host_memory_available() -> int | None:

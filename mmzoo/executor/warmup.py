@@ -87,7 +87,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     b = executor.buckets
     out: set[Graph] = set()
     lo, hi, heads, logprobs, copies = None, 0, set(), False, False
-    prompts = []  # (tokens, greedy) of each prompt that can run, in order
+    prompts = []  # (tokens, greedy, samples) of each prompt that can run, in order
     for p in prepared:
         try:
             graphs = set()

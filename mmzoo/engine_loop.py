@@ -2,7 +2,8 @@
 
 HTTP handlers (and :meth:`mmzoo.Engine.stream`) never touch the executor. They prepare a request
 on the host (validation, media decoding, tokenizing), then :meth:`EngineLoop.submit` it and read
-its tokens from a :class:`Stream` (on an event loop) or a :class:`QueueStream` (in any thread). The loop thread admits what arrived into the running
+its tokens from a :class:`Stream` (on an event loop) or a :class:`QueueStream` (in any thread).
+The loop thread admits what arrived into the running
 :class:`~mmzoo.executor.loop.Generation` before every step, so a request that arrives while
 others decode joins the batch at the next step (continuous batching); a cancelled one (a client
 gone, a stop string matched) frees its KV-cache slot at once.
@@ -26,7 +27,8 @@ from mmzoo.types import Prepared, Result
 @dataclass
 class Stream:
     """One request's side of the loop: ``(token id, its logprobs entry or None)`` as they come, then
-    its :class:`Result` (``None`` in :attr:`events` marks the end). Filled from the loop thread, read on the event loop."""
+    its :class:`Result` (``None`` in :attr:`events` marks the end). Filled from the loop thread,
+    read on the event loop."""
 
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)

@@ -122,8 +122,8 @@ class Sampling(BaseModel):
     IGNORED: ClassVar[tuple[str, ...]] = ("user", "metadata", "store", "service_tier", "prompt_cache_key",
                                           "safety_identifier", "parallel_tool_calls")
     _NEUTRAL: ClassVar[dict[str, Any]] = {
-        "frequency_penalty": 0, "presence_penalty": 0, "tools": None, "tool_choice": None, "logit_bias": None, "best_of": None, "suffix": None,
-        "response_format": None}
+        "frequency_penalty": 0, "presence_penalty": 0, "tools": None, "tool_choice": None, "logit_bias": None,
+        "best_of": None, "suffix": None, "response_format": None}
 
     def refuse_unsupported(self) -> None:
         for name in self._NEUTRAL:
@@ -154,10 +154,11 @@ class Sampling(BaseModel):
             out["seed"] = self.seed
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
-        if self.stops():  # the loop ends the sequence at a match (mmzoo.text), as Python's generate does
-            out["stop"] = self.stops()
-        if self.top_logprob_count() is not None:
-            out["logprobs"] = self.top_logprob_count()
+        stops, logprobs = self.stops(), self.top_logprob_count()
+        if stops:  # the loop ends the sequence at a match (mmzoo.text), as Python's generate does
+            out["stop"] = stops
+        if logprobs is not None:
+            out["logprobs"] = logprobs
         if self.prompt_logprobs is not None:
             out["prompt_logprobs"] = self.prompt_logprobs
         if self.n != 1:

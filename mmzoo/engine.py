@@ -36,6 +36,7 @@ from mmzoo.executor import Drain, Executor, generate
 from mmzoo.limits import Limits, check_request, prompt_chars_bound
 from mmzoo.models import Family, MultimodalLM, Tower
 from mmzoo.models._prompt import media_from_messages
+from mmzoo.structured import Grammars
 from mmzoo.types import DTYPES, Prepared, Request, Result, StreamOutput
 
 COMPONENTS = ("encoder", "adapter", "lm")
@@ -57,6 +58,7 @@ class Engine:
         self.cfg, self.family, self.config, self.processor = cfg, family, config, processor
         self.model, self.executor, self.checkpoint = model, executor, checkpoint
         self.eos_token_ids = eos_token_ids
+        self.grammars = Grammars(processor.tokenizer, vocab_size=model.lm.vocab_size, eos_token_ids=eos_token_ids)
         self._fingerprint, self.dtype = towers_fingerprint, dtype
         self.allow_fingerprint_mismatch = allow_fingerprint_mismatch
         self._lock = threading.RLock()  # one request stream at a time: the cache and compiled steps are shared
@@ -119,6 +121,12 @@ class Engine:
                              f"(executor.score_prompts=false)")
         if request.prompt_logprobs is not None and request.inputs_embeds is not None:
             raise MmzooError("prompt_logprobs needs the prompt's token ids; inputs_embeds has none")
+        guide = None
+        if request.structured_outputs is not None:
+            if not self.executor.structured_outputs:
+                raise MmzooError("structured_outputs: this engine does not constrain outputs "
+                                 "(executor.structured_outputs=false)")
+            guide = functools.partial(self.grammars.matcher, self.grammars.compile(request.structured_outputs))
         vocab = self.model.lm.vocab_size
         for name in ("prompt_token_ids", "stop_token_ids"):
             ids = getattr(request, name) or []
@@ -130,6 +138,7 @@ class Engine:
         if len(prepared.input_ids) >= max_len:
             raise MmzooError(f"the prompt is {len(prepared.input_ids)} tokens (media placeholders included); "
                              f"max_model_len={max_len} leaves no room to generate")
+        prepared.guide = guide
         return prepared
 
     @contextlib.contextmanager

@@ -7,7 +7,7 @@ run dtypes every stage accepts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any
 
@@ -29,6 +29,33 @@ MAX_NEW_TOKENS = 1 << 20  # a schema bound; the engine also refuses more than it
 MAX_TOP_K = 1 << 31  # past any vocabulary (the step holds top_k as int64)
 MAX_N = 1 << 16  # a schema bound; the engine refuses more samples than its KV-cache slots
 MAX_TEMPERATURE = 1e4  # past it float32 logits / temperature underflow to a uniform draw
+
+
+@pydantic_dataclass(config=ConfigDict(extra="forbid"))
+class StructuredOutputs:
+    """What a request's output must match (vLLM's ``StructuredOutputsParams``): exactly one of a JSON
+    schema (``json``: an object or its JSON text), any JSON object (``json_object: true``), a regular
+    expression the whole output matches (``regex``), one of some strings (``choice``) or a Lark or
+    GBNF grammar (``grammar``). JSON allows whitespace between its tokens unless
+    ``disable_any_whitespace``. Applied as a token mask (:mod:`mmzoo.structured`)."""
+
+    json: dict[str, Any] | Annotated[str, Strict()] | None = None
+    regex: Annotated[str, Strict(), Field(min_length=1)] | None = None
+    choice: Annotated[list[Annotated[str, Strict(), Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: Annotated[str, Strict(), Field(min_length=1)] | None = None
+    json_object: Annotated[bool, Strict()] | None = None
+    disable_any_whitespace: Annotated[bool, Strict()] = False
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object; got "
+                             f"{', '.join(given) or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        """The one constraint given: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False))
 
 
 @pydantic_dataclass(config=ConfigDict(arbitrary_types_allowed=True, validate_assignment=True))
@@ -67,6 +94,8 @@ class Request:
     # samples of the prompt (vLLM's n): the prompt is prefilled once, its KV cache copied into each
     # sample's slot; each sample draws from its own generator (the first from seed's, as with n=1)
     n: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] = 1
+    # the output follows a JSON schema, a regex, a choice or a grammar (vLLM's structured_outputs)
+    structured_outputs: StructuredOutputs | None = None
     id: _Int | Annotated[str, Strict()] | None = None
     # -- other input modes (see README "Input modes") --
     prompt_token_ids: Annotated[list[_NonNeg], Field(min_length=1)] | None = None  # already tokenized (no chat template)
@@ -123,13 +152,17 @@ def _check_text(text: str) -> None:
         raise ValueError(f"holds {text[e.start:e.end]!r} at {e.start}, which is not valid Unicode text") from None
 
 
+def _union_tag(part: Any) -> bool:
+    """Whether a pydantic error location's part names a union member (``int``, ``dict[str,any]``), not a field."""
+    return isinstance(part, str) and (part in ("int", "str", "float", "bool", "bytes", "none") or "[" in part
+                                      or part[:1].isupper())
+
+
 def describe_validation_error(e: ValidationError) -> str:
     """Each failed field as ``name=value: reason``, joined by ``; `` (a union's alternatives as one)."""
     by_field: dict[str, tuple[Any, list[str]]] = {}
     for err in e.errors(include_url=False):
-        loc = list(err["loc"])
-        if len(loc) > 1 and isinstance(loc[1], str):  # a union member's tag (id.int, id.str)
-            del loc[1]
+        loc = [x for i, x in enumerate(err["loc"]) if i == 0 or not _union_tag(x)]
         name = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or "request"
         msgs = by_field.setdefault(name, (err.get("input"), []))[1]
         msg = err["msg"][0].lower() + err["msg"][1:]
@@ -179,6 +212,9 @@ class Prepared:
     media: list[TowerInput] = field(default_factory=list)
     grids: dict[str, np.ndarray] = field(default_factory=dict)  # "image"/"video" -> grid_thw (Qwen2-VL)
     lengths: dict[str, np.ndarray] = field(default_factory=dict)  # "audio" -> embedding rows per clip
+    # with structured_outputs: makes each sample's grammar matcher (mmzoo.structured.Guide), the
+    # grammar compiled and checked already (mmzoo.structured.Grammars)
+    guide: Callable[[], Any] | None = None
 
 
 @dataclass

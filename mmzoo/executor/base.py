@@ -22,7 +22,7 @@ XLA executors differ only in the hooks at the top of :class:`Executor`.
 from __future__ import annotations
 
 import copy
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 import torch
@@ -30,21 +30,13 @@ import torch
 from mmzoo.errors import MmzooError
 from mmzoo.executor.buckets import Buckets
 from mmzoo.executor.media import MediaSteps
-from mmzoo.executor.steps import (DecodeInputs, PrefillInputs, Sampling, decode_step, head_step, logprobs_step,
-                                  prefill_step, score_step)
+from mmzoo.executor.readout import ReadoutSteps
+from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling, StepOut, decode_step, head_step, prefill_step
 from mmzoo.lms import KVCache
 from mmzoo.types import DTYPES, Prepared
 
 
-class StepOut(NamedTuple):
-    """What a head or decode step leaves on the device: its tokens (a decode step's: one per slot)
-    and the float32 logits of its rows, which :meth:`Executor.logprobs` reads when asked."""
-
-    tokens: torch.Tensor
-    logits: torch.Tensor
-
-
-class Executor(MediaSteps):
+class Executor(MediaSteps, ReadoutSteps):
     """Runs a :class:`~mmzoo.models.MultimodalLM` on one device.
 
     Args:
@@ -57,6 +49,8 @@ class Executor(MediaSteps):
             ``max_logprobs``): every logprobs step computes this many; 0: no logprobs.
         score_prompts: a scoring step per prefill bucket (:meth:`score`: ``prompt_logprobs``,
             the server's ``echo``), compiled at warmup like the others; false: refuse them.
+        structured_outputs: a constrain step per head and decode row bucket (:meth:`constrain`: a
+            request's ``structured_outputs`` as a token mask), compiled at warmup; false: refuse them.
         progress: show a progress bar over requests.
 
     Attributes:
@@ -69,13 +63,16 @@ class Executor(MediaSteps):
     do_warmup = False
 
     def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, max_prefill_tokens: int | None = None,
-                 max_logprobs: int = 20, score_prompts: bool = True, progress: bool = False):
+                 max_logprobs: int = 20, score_prompts: bool = True, structured_outputs: bool = True,
+                 progress: bool = False):
         if max_model_len <= 0 or max_batch <= 0:
             raise ValueError(f"max_model_len={max_model_len} and max_batch={max_batch} must be positive")
         if not 0 <= max_logprobs <= 1024:
             raise ValueError(f"max_logprobs={max_logprobs} must lie in [0, 1024]")
-        if score_prompts not in (True, False):
-            raise ValueError(f"score_prompts={score_prompts!r}: choose true or false")
+        for name, value in (("score_prompts", score_prompts), ("structured_outputs", structured_outputs)):
+            if value not in (True, False):
+                raise ValueError(f"{name}={value!r}: choose true or false")
+        self.structured_outputs = structured_outputs
         self.max_logprobs, self.score_prompts = max_logprobs, score_prompts and max_logprobs > 0
         if max_prefill_tokens is not None and max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens} must be positive")
@@ -309,53 +306,6 @@ class Executor(MediaSteps):
 
         self.run_step(("copy", m), step, [self._tensor(np.array(src)), self._tensor(np.array(dst))], "cache")
         self._step_done()
-
-    @torch.no_grad()
-    def logprobs(self, out: StepOut) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The log-probabilities of a head or decode step's rows (:func:`~mmzoo.executor.steps.logprobs_step`,
-        a graph per rows and token count): the picked tokens' ``[r]``, and the ``max_logprobs``
-        most likely ids ``[r, k]`` with theirs ``[r, k]``, read back to the host."""
-        rows, k = out.logits.shape[0], self.max_logprobs
-
-        def step(logits, tokens):
-            return logprobs_step(k, logits, tokens)
-
-        result = self.run_step(("logprobs", rows, out.tokens.shape[0], k), step, [out.logits, out.tokens], None)
-        self._step_done()
-        return tuple(t.cpu().numpy() for t in result)
-
-    @torch.no_grad()
-    def score(self, prepared: Prepared) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Each prompt token's log-probability given the ones before it (``[n - 1]``: the first has
-        none) and the ``max_logprobs`` likeliest at each position (``[n - 1, k]`` ids and theirs),
-        one step at the prompt's prefill bucket (:func:`~mmzoo.executor.steps.score_step`), read
-        back. Its media are encoded into the buffer first."""
-        p, k = self._alone(prepared), self.max_logprobs
-
-        def step(tokens, media):
-            return score_step(self.model, k, tokens, media)
-
-        result = self.run_step(("score", len(p.input_ids), k), step, [self._tensor(p.token_rows()), self.media], None)
-        self._step_done()
-        return tuple(t.cpu().numpy()[: len(prepared.input_ids) - 1] for t in result)
-
-    @torch.no_grad()
-    def prompt_logits(self, prepared: Prepared) -> np.ndarray:
-        """``[n, vocab]`` float32 logits at every prompt position (no cache; for scoring and tests)."""
-        self._check_positions(prepared)
-        p = self._alone(prepared)
-        self._step_begin()
-        logits = self.model(self._tensor(p.input_ids[None]), self._tensor(p.positions[:, None]), mm_embeds=self.media,
-                            mm_index=self._tensor(p.mm_index[None]))
-        self._step_done()
-        return logits[0].cpu().numpy()[: len(prepared.input_ids)]
-
-    def _alone(self, prepared: Prepared) -> PrefillInputs:
-        """One prompt in its prefill bucket, its media encoded into the buffer from row 0 (a
-        whole-prompt step without the cache: :meth:`score`, :meth:`prompt_logits`)."""
-        index, _ = self.encode_prompt(prepared, 0)
-        return PrefillInputs.pack(self.buckets.prefill_len(len(prepared.input_ids)), 1, self.max_model_len,
-                                  [(prepared.input_ids, prepared.positions, index, 0)])
 
 
 def host_memory_available() -> int | None:

@@ -9,6 +9,9 @@ and prefills them, then decodes one token for every running sequence. The runner
 
 One decode step stays in flight: step N+1 is launched (its input tokens taken from step N's device
 output) before step N's tokens are read back, so the host's per-step work overlaps the device's.
+A request with ``structured_outputs`` keeps it so: once step N's tokens are read back and its
+grammar has taken them, the token mask of step N+1 is written and a constrain step draws step
+N+1's token again from its masked logits, before step N+2 reads it on the device.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import numpy as np
 from mmzoo.errors import MmzooError
 from mmzoo.executor.buckets import Buckets
 from mmzoo.executor.scheduler import Drain, Scheduler, Sequence
-from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling
+from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling, StepOut
+from mmzoo.structured import words
 from mmzoo.text import TextStream
 from mmzoo.types import Prepared, Result
 
@@ -132,7 +136,7 @@ class Generation:
                             logprobs=[] if req.logprobs is not None else None)
             members.append(Sequence(prepared=prepared, result=result, index=self._added if index is None else index,
                                     rng=rng, text=TextStream(self.decode_text, req.stop) if req.stop else None,
-                                    sample=i))
+                                    sample=i, guide=prepared.guide() if prepared.guide else None))
         self._added += 1
         self.sched.add(members[0])
         if req.n > 1:
@@ -182,7 +186,8 @@ class Generation:
         launched = None
         if go:
             inputs = decode_inputs(self.buckets, go, ahead & set(go))
-            out = exe.decode(inputs, sampling_for(go, len(inputs.token)), prev=inflight[0].tokens if inflight else None)
+            sampling = sampling_for(go, len(inputs.token))
+            out = exe.decode(inputs, sampling, prev=inflight[0].tokens if inflight else None)
             for seq in go.values():
                 seq.length += 1
             launched = (out, [(slot, seq, seq.length) for slot, seq in go.items()])
@@ -194,6 +199,9 @@ class Generation:
             for slot, seq, cached in ran:
                 if sched.running.get(slot) is seq:
                     self._emit(seq, int(tokens[slot]), cached, logprobs, slot)
+        if launched and any(seq.guide is not None for seq in go.values()):  # their grammars took step N's tokens
+            running = {slot: seq for slot, seq in go.items() if sched.running.get(slot) is seq}
+            launched = (self._constrain(launched[0], running, sampling), launched[1])
         self.inflight = launched
 
     def settle(self) -> None:
@@ -268,7 +276,7 @@ class Generation:
                 return
             members = [m for seq in seqs for m in seq.members]
             sampling = sampling_for(dict(enumerate(members)), self.buckets.head_rows(len(members)))
-            out = self.exe.prefill(inputs, sampling)
+            out = self._constrain(self.exe.prefill(inputs, sampling), dict(enumerate(members)), sampling)
             copies = [(seq.slot, m.slot) for seq in seqs for m in seq.members[1:]]
             if copies:  # the prompt's keys and values into its other samples' slots
                 self.exe.copy_slots(copies)
@@ -283,6 +291,21 @@ class Generation:
             seq.result.ttft_s = now - seq.t_added
             self._emit(seq, int(token), seq.length, logprobs, row)
 
+    def _constrain(self, out: StepOut, seqs: dict[int, Sequence], sampling: Sampling) -> StepOut:
+        """``out`` with the tokens of the rows whose sequence follows a grammar (``seqs``: row ->
+        sequence) drawn again from the logits their grammar's token mask allows
+        (:meth:`~mmzoo.executor.base.Executor.constrain`); ``out`` itself when none does."""
+        guided = {row: seq.guide for row, seq in seqs.items() if seq.guide is not None}
+        if not guided:
+            return out
+        rows = out.logits.shape[0]
+        bitmask = np.full((rows, words(self.exe.model.lm.vocab_size)), -1, np.int32)
+        on = np.zeros(rows, np.int64)
+        for row, guide in guided.items():
+            guide.fill(bitmask[row])
+            on[row] = 1
+        return self.exe.constrain(out, bitmask, replace(sampling, constrained=on))
+
     def _emit(self, seq: Sequence, token: int, cached: int, logprobs=None, row: int = 0) -> None:
         """Hand ``token`` to ``seq`` (with its log-probabilities from row ``row`` of ``logprobs``,
         :meth:`~mmzoo.executor.base.Executor.logprobs`, when its request asks for them)."""
@@ -290,14 +313,27 @@ class Generation:
             picked, ids, values = logprobs
             seq.result.logprobs.append(_entry(token, picked[row], ids[row], values[row], seq.request.logprobs))
         stopped = False
+        if seq.guide is not None:  # its grammar takes the token
+            if seq.guide.stopped:  # complete already: its mask allowed only EOS, which ends the sequence
+                stopped = True
+            else:
+                try:
+                    seq.guide.accept(token)
+                except MmzooError as e:
+                    self.sched.drop(seq)
+                    seq.result.error = str(e)
+                    self._done(seq)
+                    return
         if seq.text is not None:  # stop strings: the server's held-back matching (mmzoo.text)
             seq.text.push(token)
-            stopped = seq.text.stopped
+            stopped = stopped or seq.text.stopped
         finished = self.sched.emit(seq, token, cached, self.decode_text)
         if stopped:
             if not finished:
                 self.sched.drop(seq)
-            seq.result.finish_reason, seq.result.text, finished = "stop", seq.text.text, True
+            held = seq.text is not None and seq.text.stopped  # the text ends before the stop string
+            seq.result.text = seq.text.text if held else self.decode_text(seq.result.token_ids)
+            seq.result.finish_reason, finished = "stop", True
         if self.on_token:
             self.on_token(seq, token)
         if finished:

@@ -223,5 +223,5 @@ def misplaced(options: Mapping) -> str:
     where = {f.name: group for group, cls in groups.items() for f in fields(cls)}
     parts = [f"{name!r} (it is executor.{where[name]}.{name})" if name in where else repr(name) for name in options]
     return (f"executor: unknown option{'s' * (len(parts) > 1)} {', '.join(parts)}; the XLA executor takes "
-            f"max_model_len, max_batch, max_prefill_tokens, max_logprobs, score_prompts, progress and the groups "
-            f"buckets, layout and compile (conf/executor/xla.yaml)")
+            f"max_model_len, max_batch, max_prefill_tokens, max_logprobs, score_prompts, structured_outputs, progress "
+            f"and the groups buckets, layout and compile (conf/executor/xla.yaml)")

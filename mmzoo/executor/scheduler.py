@@ -35,6 +35,7 @@ class Sequence:
     text: object = None  # its mmzoo.text.TextStream when its request has stop strings
     sample: int = 0  # which of its request's n samples
     group: list | None = None  # with n > 1: every sample's Sequence, the first (which waits in the queue) first
+    guide: object = None  # its mmzoo.structured.Guide when its request has structured_outputs
 
     @property
     def request(self):

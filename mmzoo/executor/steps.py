@@ -19,6 +19,7 @@ costs about as much as a small kernel), whose rows are named by :data:`DECODE_RO
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,20 +32,30 @@ PREFILL_TOKEN_ROWS = ("input_ids", "mm_index", "segment", "write_slot", "write_p
 PREFILL_PROMPT_ROWS = ("slot", "last")  # a packed prefill's int64 rows per prompt
 
 
+class StepOut(NamedTuple):
+    """What a head or decode step leaves on the device: its tokens (a decode step's: one per slot)
+    and the float32 logits of its rows, which :meth:`Executor.logprobs` reads when asked."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+
+
 @dataclass
 class Sampling:
     """Per-row sampling parameters, ``[rows]`` each: temperature (0: greedy), top-k (0: off), top-p
-    (1: off) and one uniform draw (the request's own seeded generator), host arrays."""
+    (1: off), one uniform draw (the request's own seeded generator) and whether the row follows a
+    grammar (its token is drawn again from the masked logits: :func:`constrain_step`), host arrays."""
 
     temperature: np.ndarray
     top_k: np.ndarray
     top_p: np.ndarray
     uniform: np.ndarray
+    constrained: np.ndarray
 
     @classmethod
     def greedy_rows(cls, rows: int) -> "Sampling":
         return cls(np.zeros(rows, np.float32), np.zeros(rows, np.int64), np.ones(rows, np.float32),
-                   np.zeros(rows, np.float32))
+                   np.zeros(rows, np.float32), np.zeros(rows, np.int64))
 
     @property
     def greedy(self) -> bool:
@@ -205,6 +216,28 @@ def decode_step(model, cache, kv_len: int, prev: torch.Tensor, rows: torch.Tenso
                    attn_kwargs={"q_positions": write[:, None]}, logits_index=torch.zeros_like(write))
     out = _head(logits, top_k, floats)
     return (out if b == prev.shape[0] else torch.cat([out, prev[b:]])), logits
+
+
+_BITS = np.left_shift(1, np.arange(32, dtype=np.int64)).astype(np.uint32).view(np.int32)  # bit i of an int32
+
+
+def constrain_step(logits: torch.Tensor, tokens: torch.Tensor, bitmask: torch.Tensor, ints: torch.Tensor,
+                   *floats: torch.Tensor) -> torch.Tensor:
+    """Structured output's token mask (:mod:`mmzoo.structured`) on a head's or decode step's rows:
+    ``logits [r, vocab]`` float32 masked by ``bitmask [r, words]`` int32 (bit ``t % 32`` of word
+    ``t // 32`` allows token ``t``), then the greedy or sampling head again with the step's own
+    parameters (``ints [2, r]``: whether the row is constrained, then top-k; ``floats``:
+    :meth:`Sampling.floats`) -> ``tokens [T]`` (the step's, ``T >= r``) with each constrained
+    row's token replaced (vLLM's TPU runner masks in a graph of its own the same way)."""
+    r, vocab = logits.shape
+    constrained, top_k = ints[0], ints[1]
+    # each bit by an AND with its power of two: torch_xla 2.9's right shift of a negative int32 by a
+    # tensor gives 0 (bit 31 set: a word's last token allowed), where an AND is exact
+    bits = torch.from_numpy(_BITS).to(logits.device)
+    allowed = (bitmask[:, :, None] & bits).reshape(r, -1)[:, :vocab] != 0  # [r, words, 32] -> [r, vocab]
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    picked = torch.where(constrained != 0, _head(masked, top_k, floats), tokens[:r])
+    return picked if r == tokens.shape[0] else torch.cat([picked, tokens[r:]])
 
 
 def logprobs_step(k: int, logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -5,7 +5,8 @@ server, the benchmark, where requests come later): each tower at each input-row 
 precomputed-embeddings write at each row bucket, the prompts' layers at each prefill bucket (and
 a bucket's windowed graph, where it has one), the prefill's head at each row bucket and the
 decode step at each KV-length and row bucket, the last two with a greedy and a sampling head, and the
-logprobs step at each row bucket (with ``max_logprobs``) and the scoring step at each prefill
+logprobs step at each row bucket (with ``max_logprobs``), the constrain step of each head and
+decode graph's rows and head (with ``structured_outputs``) and the scoring step at each prefill
 bucket (with ``score_prompts``). :func:`needed` takes
 prepared requests and returns only the graphs they can hit (``warmup=needed``: a one-shot CLI run
 or a requests file, known up front). :func:`run` compiles a plan on all-padding typed inputs.
@@ -19,16 +20,18 @@ from typing import Callable
 import numpy as np
 import torch
 
-from mmzoo.executor.base import StepOut
+from mmzoo.executor.steps import StepOut
 from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling
+from mmzoo.structured import words
 from mmzoo.types import Prepared, TowerInput
 
 
 @dataclass(frozen=True)
 class Graph:
-    """One compiled step: its kind (encode, embeds, prefill, head, decode), tower, bucket, head
-    (greedy or sampling: a prefill's head step and decode), a prefill's attention window
-    (:attr:`PrefillInputs.window`) and the rows of a head or decode step."""
+    """One compiled step: its kind (encode, embeds, prefill, head, decode, logprobs, constrain, score,
+    copy), tower, bucket, head (greedy or sampling: a prefill's head step, decode and constrain), a
+    prefill's attention window (:attr:`PrefillInputs.window`) and the rows of a head, decode,
+    logprobs or constrain step."""
 
     kind: str
     size: int
@@ -38,8 +41,9 @@ class Graph:
     rows: int | None = None
 
     def __str__(self) -> str:
-        if self.kind == "logprobs":
-            return f"logprobs b{self.rows}/{self.size}"
+        if self.kind in ("logprobs", "constrain"):
+            head = "" if self.kind == "logprobs" else "/greedy" if self.greedy else "/sample"
+            return f"{self.kind} b{self.rows}/{self.size}{head}"
         head = "" if self.kind in ("encode", "embeds", "prefill", "score", "copy") else "/greedy" if self.greedy else "/sample"
         window = f" w{self.window}" if self.window else ""
         if self.kind == "decode":
@@ -60,6 +64,8 @@ def plan(executor, towers: list[str]) -> list[Graph]:
     out += [Graph("decode", kv, greedy=g, rows=r) for r in b.decode_rows for kv in b.decode_kv for g in (True, False)]
     if executor.max_logprobs:
         out += sorted(set(_logprobs(executor, b.decode_rows, b.decode_rows)), key=lambda g: (g.rows, g.size))
+    if executor.structured_outputs:
+        out += sorted(set(_constrain(executor, out)), key=lambda g: (g.rows, g.size, not g.greedy))
     if executor.score_prompts:
         out += [Graph("score", s) for s in b.prefill]
     if executor.max_batch > 1:  # a request's samples share its prompt's keys and values
@@ -74,6 +80,13 @@ def _logprobs(executor, head_rows, decode_rows) -> list[Graph]:
             [Graph("logprobs", executor.max_batch, rows=r) for r in decode_rows])
 
 
+def _constrain(executor, graphs) -> list[Graph]:
+    """The constrain graphs of the head and decode steps among ``graphs``: the same rows and head
+    (a decode step's tokens are one per slot)."""
+    return [Graph("constrain", g.rows if g.kind == "head" else executor.max_batch, greedy=g.greedy, rows=g.rows)
+            for g in graphs if g.kind in ("head", "decode")]
+
+
 def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     """The graphs a run of ``prepared`` can use, in :func:`plan`'s order: each media call's encode
     (or embeddings) bucket; with ``generate``, the prefill bucket of every run of prompts one step
@@ -86,7 +99,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
 
     b = executor.buckets
     out: set[Graph] = set()
-    lo, hi, heads, logprobs, copies = None, 0, set(), False, False
+    lo, hi, heads, logprobs, copies, constrained = None, 0, set(), False, False, False
     prompts = []  # (tokens, greedy, samples) of each prompt that can run, in order
     for p in prepared:
         try:
@@ -103,6 +116,7 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
                 executor.check_prompt(p)
                 logprobs = logprobs or req.logprobs is not None
                 copies = copies or req.n > 1
+                constrained = constrained or req.structured_outputs is not None
                 if req.prompt_logprobs is not None:
                     graphs.add(Graph("score", b.prefill_len(n)))
                 if req.max_new_tokens == 0:  # scored only: no slot, no prefill
@@ -149,7 +163,10 @@ def needed(executor, prepared: list, *, generate: bool = True) -> list[Graph]:
     if logprobs:  # the rows of every head and decode step the run can take
         out |= set(_logprobs(executor, {g.rows for g in out if g.kind == "head"},
                              {g.rows for g in out if g.kind == "decode"}))
-    order = {"encode": 0, "embeds": 1, "prefill": 2, "head": 3, "decode": 4, "logprobs": 5, "score": 6, "copy": 7}
+    if constrained:  # a batch's constrain step has its rows and head (a grammar's request may be greedy or not)
+        out |= set(_constrain(executor, out))
+    order = {"encode": 0, "embeds": 1, "prefill": 2, "head": 3, "decode": 4, "logprobs": 5, "constrain": 6,
+             "score": 7, "copy": 8}
     return sorted(out, key=lambda g: (order[g.kind], g.tower or "", g.rows or 0, g.size, g.window or 0, not g.greedy))
 
 
@@ -193,6 +210,11 @@ def run(executor, graphs: list[Graph], dummy_media: Callable[[str, int], TowerIn
             out = executor.decode(DecodeInputs.zeros(g.rows, g.size), _sampling(g.rows, g.greedy))
         elif g.kind == "copy":
             executor.copy_slots([(0, 0)])
+        elif g.kind == "constrain":
+            vocab = executor.model.lm.vocab_size
+            logits = executor._tensor(np.zeros((g.rows, vocab), np.float32))
+            step = StepOut(executor._tensor(np.zeros(g.size, np.int64)), logits)
+            out = executor.constrain(step, np.full((g.rows, words(vocab)), -1, np.int32), _sampling(g.rows, g.greedy))
         elif g.kind == "score":
             executor.score(Prepared(request=None, input_ids=np.zeros(g.size, np.int64),
                                     positions=np.zeros((axes, g.size), np.int64), position_delta=0,
@@ -203,6 +225,6 @@ def run(executor, graphs: list[Graph], dummy_media: Callable[[str, int], TowerIn
             executor.logprobs(StepOut(tokens, logits))  # read back already
         if g.kind == "prefill":
             out.cpu()
-        elif g.kind in ("head", "decode"):
+        elif g.kind in ("head", "decode", "constrain"):
             out.tokens.cpu()
         executor.warm.add(g)

@@ -54,6 +54,7 @@ class XLAExecutor(Executor):
             None: ``max_model_len``.
         max_logprobs: alternatives per token a request may ask log-probabilities of (:class:`Executor`).
         score_prompts: compile a prompt-scoring step per prefill bucket (:class:`Executor`).
+        structured_outputs: compile a constrain step per head and decode row bucket (:class:`Executor`).
         buckets: the ``executor.buckets`` group (:class:`~mmzoo.executor.options.BucketSpec`).
         layout: the ``executor.layout`` group (:class:`~mmzoo.executor.options.LayoutSpec`).
         compile: the ``executor.compile`` group (:class:`~mmzoo.executor.options.CompileSpec`).
@@ -63,12 +64,14 @@ class XLAExecutor(Executor):
     name = "xla"
 
     def __init__(self, *, max_model_len: int = 1024, max_batch: int = 4, max_prefill_tokens: int | None = None,
-                 max_logprobs: int = 20, score_prompts: bool = True, buckets: Mapping | None = None,
+                 max_logprobs: int = 20, score_prompts: bool = True, structured_outputs: bool = True,
+                 buckets: Mapping | None = None,
                  layout: Mapping | None = None, compile: Mapping | None = None, progress: bool = False, **unknown):
         if unknown:
             raise MmzooError(misplaced(unknown))
         super().__init__(max_model_len=max_model_len, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
-                         max_logprobs=max_logprobs, score_prompts=score_prompts, progress=progress)
+                         max_logprobs=max_logprobs, score_prompts=score_prompts,
+                         structured_outputs=structured_outputs, progress=progress)
         self.bucket_spec = BucketSpec.from_config(buckets)
         self.bucket_spec.check(max_model_len=max_model_len, max_batch=max_batch,
                                max_prefill_tokens=self.max_prefill_tokens)

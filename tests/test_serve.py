@@ -278,6 +278,48 @@ def test_sixteen_concurrent_clients_match_offline_with_no_compiles(xla_server, o
     assert m["mmzoo_requests_running_max"] >= 2  # requests that arrived while others decoded joined their batch
 
 
+def test_structured_outputs_in_both_endpoints(xla_server, offline):
+    """OpenAI's ``response_format`` (json_schema, json_object), vLLM's ``structured_outputs`` and its
+    older ``guided_*`` fields give the Python API's tokens under the same grammar; a bad grammar or
+    two constraints at once are a 400 naming the field; nothing compiles after warmup."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = _chat(None, "Answer in JSON.")
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}},
+              {"json": schema}),
+             ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+             ({"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}, {"choice": ["yes", "no"]}),
+             ({"extra_body": {"guided_regex": "[0-9]{2}"}}, {"regex": "[0-9]{2}"})]
+    for fields, spec in cases:
+        extra = {**fields.pop("extra_body", {}), "return_token_ids": True}
+        r = xla_server.client.chat.completions.create(model="tiny", messages=chat, temperature=0, max_tokens=12,
+                                                      extra_body=extra, **fields)
+        want = offline.engine.generate(messages=chat, max_new_tokens=12, structured_outputs=spec)
+        assert r.choices[0].model_extra["token_ids"] == want.token_ids, spec
+        assert r.choices[0].message.content == want.text
+    assert want.text in {f"{i:02d}" for i in range(100)} and want.finish_reason == "stop"
+    ids = offline.engine.processor.tokenizer("Pick one:")["input_ids"]
+    r = xla_server.client.completions.create(model="tiny", prompt="Pick one:", temperature=0, max_tokens=6,
+                                             extra_body={"guided_choice": ["alpha", "beta"]})
+    want = offline.engine.generate({"prompt_token_ids": ids, "max_new_tokens": 6,
+                                    "structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert r.choices[0].text == want.text and want.text in ("alpha", "beta")
+    for fields, param, needle in [
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format",
+             "response_format.json_schema.schema must be a JSON schema object"),
+            ({"response_format": {"type": "xml"}}, "response_format", "choose text, json_object or json_schema"),
+            ({"guided_regex": "[a-"}, "guided_regex", "guided_regex: "),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}}},
+             "response_format.json_schema.schema", "Invalid type: nope"),
+            ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", "structured_outputs.regexp='a'"),
+            ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice",
+             "response_format and guided_choice both constrain the output")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            xla_server.client.chat.completions.create(model="tiny", messages=chat, max_tokens=4, extra_body=fields)
+        assert e.value.body["param"] == param and needle in e.value.body["message"], e.value.body
+    assert xla_server.metrics()["mmzoo_graphs_compiled_after_warmup"] == 0
+
+
 BAD = {
     "unknown model": (dict(model="gpt-9"), "model"),
     "n over the slots": (dict(n=5), "n=5 samples need 5 KV-cache slots"),

@@ -159,7 +159,7 @@ def test_strict_fields(client, path):
         {"model": "tiny", "prompt": "What is this?", "temperature": 0, "max_tokens": 4, "return_token_ids": True}
     want = client.post(path, json=body)
     assert want.status_code == 200, want.text
-    for field, value in (("temprature", 0), ("guided_choice", ["a", "b"]), ("min_tokens", 1),
+    for field, value in (("temprature", 0), ("guided_decoding_backend", "xgrammar"), ("min_tokens", 1),
                          ("use_beam_search", False)):
         r = client.post(path, json={**body, field: value})
         assert r.status_code == 400 and _error(r)["param"] == field, r.text

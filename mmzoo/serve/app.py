@@ -388,7 +388,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         body.refuse_unsupported()
         body.stops()
         fields, names = chat_request(body, media, engine.family)
-        prepared = await run_in_threadpool(prepare, fields, names)
+        prepared = await run_in_threadpool(prepare, fields, {**names, **body.structured()[1]})
         return await respond("chat", body, [prepared], http)
 
     @app.post("/v1/completions")
@@ -408,7 +408,8 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
             else:
                 ids = prompt
             try:
-                prepared.append(await run_in_threadpool(prepare, {"prompt_token_ids": list(ids), **body.request_fields()}))
+                prepared.append(await run_in_threadpool(prepare, {"prompt_token_ids": list(ids), **body.request_fields()},
+                                                        body.structured()[1]))
             except MmzooError as e:
                 raise BadRequest(f"{param}: {e}" if len(prompts) > 1 else str(e), param) from None
             texts.append(prompt if isinstance(prompt, str) else engine.decode(list(ids)))

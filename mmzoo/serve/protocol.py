@@ -103,6 +103,14 @@ class Sampling(BaseModel):
     return_token_ids: bool = False  # vLLM's extension: the generated token ids in each choice
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's extension
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0)  # vLLM's extension: the prompt's, scored
+    # structured output: OpenAI's response_format, vLLM's structured_outputs (mmzoo.types.StructuredOutputs)
+    # and its older guided_json / guided_regex / guided_choice / guided_grammar; one of them (:meth:`structured`)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # accepted and ignored: they do not change the output (IGNORED)
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -117,21 +125,51 @@ class Sampling(BaseModel):
     tools: list[Any] | None = None
     tool_choice: Any = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
 
     IGNORED: ClassVar[tuple[str, ...]] = ("user", "metadata", "store", "service_tier", "prompt_cache_key",
                                           "safety_identifier", "parallel_tool_calls")
     _NEUTRAL: ClassVar[dict[str, Any]] = {
         "frequency_penalty": 0, "presence_penalty": 0, "tools": None, "tool_choice": None, "logit_bias": None,
-        "best_of": None, "suffix": None, "response_format": None}
+        "best_of": None, "suffix": None}
+    _GUIDED: ClassVar[dict[str, str]] = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                                         "guided_grammar": "grammar"}
 
     def refuse_unsupported(self) -> None:
         for name in self._NEUTRAL:
             value = getattr(self, name, None)
             if value not in (self._NEUTRAL[name], None):
-                if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
-                    continue
                 raise BadRequest(f"{name}={value!r} is not supported by mmzoo", name)
+
+    def structured(self) -> tuple[dict[str, Any] | None, dict[str, str]]:
+        """The request's :class:`mmzoo.types.StructuredOutputs` fields (None: free text), and how
+        an error about them names the field this request gave (``names`` of the server's prepare)."""
+        given: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                given["response_format"] = {"json_object": True}, {}
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise BadRequest("response_format.json_schema.schema must be a JSON schema object", "response_format")
+                given["response_format"] = {"json": schema}, {
+                    "structured_outputs.json": "response_format.json_schema.schema"}
+            elif kind != "text":
+                raise BadRequest(f"response_format.type={kind!r}: choose text, json_object or json_schema",
+                                 "response_format")
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = dict(self.structured_outputs), {
+                "request: structured_outputs": "structured_outputs", "structured_outputs": "structured_outputs"}
+        for name, key in self._GUIDED.items():
+            value = getattr(self, name)
+            if value is not None:
+                given[name] = {key: value}, {f"request: structured_outputs.{key}": name,
+                                             f"structured_outputs.{key}": name}
+        if len(given) > 1:
+            raise BadRequest(f"{' and '.join(given)} both constrain the output; give one", list(given)[1])
+        return next(iter(given.values()), (None, {}))
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -163,6 +201,9 @@ class Sampling(BaseModel):
             out["prompt_logprobs"] = self.prompt_logprobs
         if self.n != 1:
             out["n"] = self.n
+        spec, _ = self.structured()
+        if spec is not None:
+            out["structured_outputs"] = spec
         return out
 
     def top_logprob_count(self) -> int | None:

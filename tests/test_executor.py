@@ -350,7 +350,8 @@ def test_steps_replay_their_compiled_graphs(xla_engine, qwen2_vl_ckpt, image_fil
     with no graph compiled."""
     exe = xla_engine.executor
     kinds = {key[0] for key in exe._replays}
-    assert kinds == {"encode", "embeds", "prefill", "head", "decode", "logprobs", "score", "copy"}, exe._replays.keys()
+    assert kinds == {"encode", "embeds", "prefill", "head", "decode", "logprobs", "constrain", "score", "copy"}, \
+        exe._replays.keys()
     assert exe.buckets.decode_rows == (1, 3)  # auto on the XLA CPU client: one row, or every slot
     assert {k for k in exe._replays if k[0] == "decode"} == {("decode", g, kv, b) for g in (True, False)
                                                              for kv in exe.buckets.decode_kv

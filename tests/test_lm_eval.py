@@ -1,7 +1,9 @@
 """lm-evaluation-harness as a real client of ``mmzoo.serve``: its ``local-completions`` model runs a
 small task defined here (multiple-choice loglikelihood and generate_until, a few dozen questions
 about the demo's drawn shapes) against the server on the embedded demo checkpoint, and every score
-it gets equals scoring the same token ids with transformers' own class directly."""
+it gets equals scoring the same token ids with transformers' own class directly; its
+``local-chat-completions`` model runs the generate_until task through the chat endpoint and the
+checkpoint's chat template, each answer transformers' greedy continuation of the same chat."""
 
 from __future__ import annotations
 
@@ -114,3 +116,27 @@ def test_lm_eval_scores_through_the_server_equal_transformers(server, tmp_path):
         assert text == want, context
         hits.append(float(text.strip() == sample["doc"]["answer"]))
     assert out["results"]["mmzoo_shapes_gen"]["exact_match,none"] == pytest.approx(np.mean(hits))
+
+    chat = lm_eval.simple_evaluate(model="local-chat-completions", tasks=["mmzoo_shapes_gen"], log_samples=True,
+                                   model_args={"model": "shapes", "base_url": f"{server.url}/v1/chat/completions",
+                                               "num_concurrent": 1, "max_retries": 1},
+                                   task_manager=TaskManager(include_path=str(tmp_path)), bootstrap_iters=0,
+                                   apply_chat_template=True)
+    samples = chat["samples"]["mmzoo_shapes_gen"]
+    assert len(samples) == 12
+    hits = []
+    for sample in samples:
+        (context, kwargs), (text,) = sample["arguments"][0], sample["resps"][0]
+        messages = json.loads(context[0])  # the chat lm-eval sent (its JsonChatStr, logged as a tuple)
+        assert [m["role"] for m in messages] == ["user"]
+        ids = client.tokenizer(client.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                    tokenize=False))["input_ids"]
+        with torch.no_grad():
+            gen = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=6, do_sample=False, pad_token_id=0)
+        want = client.tokenizer.decode(gen[0, len(ids):], skip_special_tokens=True)
+        for stop in ("\n", "."):
+            want = want.split(stop)[0]
+        assert text == want, messages
+        hits.append(float(text.strip() == sample["doc"]["answer"]))
+    assert chat["results"]["mmzoo_shapes_gen"]["exact_match,none"] == pytest.approx(np.mean(hits))

@@ -173,3 +173,12 @@ def test_constrain_step_masks_exactly_the_bitmask(qwen2_vl_ckpt):
         picks = constrain_step(logits.to(dev), tokens.to(dev), torch.from_numpy(bitmask).to(dev), ints.to(dev),
                                sampled.to(dev)).cpu()
         assert int(picks[row]) in allowed[row]
+
+
+def test_stream_follows_the_grammar_as_generate_does(qwen2_vl_ckpt):
+    engine = mmzoo.load(qwen2_vl_ckpt, executor="eager", max_model_len=128, max_batch=2)
+    req = {"prompt": "pick", "structured_outputs": GUIDES[2], "max_new_tokens": 20, "temperature": 1.0, "seed": 3}
+    want = engine.generate(req)
+    outs = list(engine.stream(req))
+    assert [t for o in outs for t in o.token_ids] == want.token_ids and outs[-1].result.finish_reason == "stop"
+    assert "".join(o.text for o in outs) == want.text and _valid(GUIDES[2], want.text)

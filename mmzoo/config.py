@@ -116,14 +116,15 @@ SUBCONFIGS = ("text_config", "vision_config", "audio_config")
 _POSITIVE_INT = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",  # LMs, CLIP
     "embed_dim", "depth", "num_heads", "in_channels", "patch_size", "temporal_patch_size",  # Qwen2-VL's ViT
-    "spatial_merge_size", "image_size", "num_channels",
+    "spatial_merge_size", "out_hidden_size", "window_size",  # Qwen2.5-VL's ViT
+    "image_size", "num_channels",
     "num_mel_bins", "d_model", "encoder_layers", "encoder_attention_heads", "encoder_ffn_dim",  # Whisper
     "max_source_positions"})
 _OPTIONAL_POSITIVE_INT = frozenset({"num_key_value_heads", "head_dim"})  # null: transformers derives it
 # Past any model's size (vocabularies reach 262144, widths 16384, MLPs 53248), and small enough that
 # what is built from the sizes before the weights are checked (rotary tables) stays small.
 MAX_SIZE = 1 << 20
-_POSITIVE_NUMBER = frozenset({"rms_norm_eps", "layer_norm_eps", "rope_theta", "mlp_ratio"})
+_POSITIVE_NUMBER = frozenset({"rms_norm_eps", "layer_norm_eps", "rope_theta", "mlp_ratio", "tokens_per_second"})
 _TOKEN_ID = frozenset({"image_token_id", "image_token_index", "video_token_id", "audio_token_index"})
 _BOOL = frozenset({"tie_word_embeddings", "use_sliding_window", "multimodal_projector_bias"})
 _STRING = frozenset({"model_type", "hidden_act", "projector_hidden_act", "activation_function",

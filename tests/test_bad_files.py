@@ -289,6 +289,24 @@ CONFIG_VALUES = {
         "config_no_model_type": (_drop("model_type"),
                                  CFG + r"transformers cannot read this config \(Unrecognized model"),
     },
+    "qwen2_5_vl": {
+        "full_attention_block_past_depth": (_set("vision_config.fullatt_block_indexes", [1, 2]),
+                                            CFG + r"vision_config\.fullatt_block_indexes=\[1, 2\]: 2 is not a block of "
+                                                  r"the depth=2 ViT$"),
+        "window_below_a_merged_unit": (_set("vision_config.window_size", 14),
+                                       CFG + r"vision_config\.window_size=14 is below one merged unit \(patch_size=14 x "
+                                             r"spatial_merge_size=2 = 28 px\)$"),
+        "window_size_zero": (_set("vision_config.window_size", 0),
+                             CFG + r"vision_config\.window_size=0 must be a positive integer$"),
+        "tokens_per_second_negative": (_set("vision_config.tokens_per_second", -2),
+                                       CFG + r"vision_config\.tokens_per_second=-2 must be a positive finite number$"),
+        "merger_width": (_set("vision_config.out_hidden_size", 32),
+                         CFG + r"vision_config\.out_hidden_size=32 \(the patch merger's output width\) differs from "
+                               r"the text model's hidden_size=64$"),
+        "vision_head_dim_for_2d_rotary": (_set("vision_config.num_heads", 16),
+                                          CFG + r"vision_config\.hidden_size=32 / num_heads=16 = 2: the ViT's 2-D "
+                                                r"rotary needs a head dim divisible by 4$"),
+    },
     "llava": {
         "head_dim_odd": (_set("text_config.head_dim", 7),
                          CFG + r"text_config\.head_dim=7 is odd; rotary embeddings rotate pairs of channels$"),
@@ -349,7 +367,7 @@ def test_bad_config_value(tiny_checkpoints, tmp_path, family, case):
         mmzoo.load(ckpt, executor="eager")
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "qwen2_audio"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava", "qwen2_audio"])
 def test_an_undamaged_copy_loads(tiny_checkpoints, tmp_path, family):
     """The control of the tables here: the copy and the JSON round trip alone break nothing."""
     ckpt = _damaged(tiny_checkpoints[family], tmp_path, _json_edit("config.json", lambda data: None))

@@ -20,6 +20,8 @@ GROUPS = ["model", "attention", "executor", "mesh", "encoder", "adapter", "lm"]
 # pipeline) given directly
 TINY = {
     "qwen2_vl_vit": {"embed_dim": 32, "depth": 1, "num_heads": 2},
+    "qwen2_5_vl_vit": {"embed_dim": 32, "depth": 2, "num_heads": 2, "intermediate_dim": 48,
+                       "full_attention_blocks": [1]},
     "clip_vit": {"image_size": 28, "patch_size": 14, "embed_dim": 32, "num_layers": 2, "num_heads": 2,
                  "intermediate_dim": 64},
     "whisper": {"num_mel_bins": 8, "embed_dim": 32, "depth": 1, "num_heads": 2, "ffn_dim": 64, "max_positions": 10},
@@ -35,7 +37,7 @@ def test_groups_have_the_expected_options():
     assert {"sdpa", "eager", "pallas"} <= set(config.options("attention"))
     assert {"eager", "xla"} <= set(config.options("executor"))
     assert {"qwen2_vl", "llava", "qwen2_audio"} <= set(config.options("model"))
-    assert set(config.options("encoder")) == {"qwen2_vl_vit", "clip_vit", "whisper"}
+    assert set(config.options("encoder")) == {"qwen2_vl_vit", "qwen2_5_vl_vit", "clip_vit", "whisper"}
     assert set(config.options("adapter")) == {"patch_merger", "mlp_projector", "audio_projector"}
     assert set(config.options("lm")) == {"llama", "qwen2"}
 

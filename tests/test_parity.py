@@ -36,6 +36,11 @@ CASES = {
                      {"eager": [0, 1, 2], "xla": [0, 1, 2]},
                      {0: "Tell me a story.", 1: "What shape is this?", 2: "Compare the two pictures."},
                      {"buckets": {"max_encoder_rows": 256}, "progress": False, "warmup": False}),
+    # two images of different sizes and aspect ratios in one prompt (84x84 and 112x84 px once resized), each
+    # reordered by window (windows of 2x2 merged units: 4 windows each, some partial)
+    "qwen2_5_vl": Case("qwen2_5_vl_ckpt", "image_files", "image",
+                       {"eager": [2], "xla": [2]}, "Compare the two pictures.",
+                       {"buckets": {"max_encoder_rows": 64}, "progress": False, "warmup": False}),
     "llava": Case("llava_ckpt", "image_files", "image",
                   {"eager": [0, 1, 3], "xla": [3]}, "What shape is this?",
                   {"progress": False, "warmup": False, "buckets": {"min_encoder_rows": 64, "max_encoder_rows": 64}, "max_batch": 2}),

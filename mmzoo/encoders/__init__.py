@@ -8,9 +8,9 @@ an executor reads of it (``rows_per_item``, ``rotary_input``).
 from mmzoo.encoders._base import Encoder
 from mmzoo.encoders.clip_vit import ClipVisionEncoder, clip_vit, resolve_feature_layers
 from mmzoo.encoders.qwen2_vl_vit import (PatchEmbed3D, Qwen2VisionEncoder, frame_segments, patch_positions,
-                                         qwen2_vl_vit)
+                                         qwen2_vl_vit, window_order)
 from mmzoo.encoders.whisper import WhisperEncoder, conv_lengths, whisper
 
 __all__ = ["Encoder", "qwen2_vl_vit", "clip_vit", "whisper", "Qwen2VisionEncoder", "ClipVisionEncoder",
-           "WhisperEncoder", "PatchEmbed3D", "frame_segments", "patch_positions", "resolve_feature_layers",
-           "conv_lengths"]
+           "WhisperEncoder", "PatchEmbed3D", "frame_segments", "patch_positions", "window_order",
+           "resolve_feature_layers", "conv_lengths"]

@@ -9,6 +9,7 @@ adapter, the ``qwen2`` LM with ``mrope_section``); this file holds only what the
 from __future__ import annotations
 
 import re
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -44,12 +45,18 @@ class Qwen2VL(Family):
     config_sections = ("vision_config",)
     # the patch merger's two linears (mlp.1 is its GELU), Megatron's pair like the shared MLPs
     tp_plan = extend_tp_plan({"towers.*.adapter.mlp.0.*": "colwise", "towers.*.adapter.mlp.2.*": "rowwise"})
+    # config.json's vision_config keys of the ViT's width and of the patch merger's output width
+    vit_width_key: ClassVar[str] = "embed_dim"
+    merger_width_key: ClassVar[str] = "hidden_size"
+    # what the video processor is asked besides the pixels (Qwen2.5-VL: each video's frame rate)
+    video_kwargs: ClassVar[dict] = {}
 
     def __init__(self, *, name: str, image_token_id: int, video_token_id: int, merge_size: int, in_channels: int,
                  temporal_patch_size: int, patch_size: int, mrope: bool = True):
         super().__init__(name=name)
         self.image_token_id, self.video_token_id = int(image_token_id), int(video_token_id)
         self.merge_size, self.mrope = int(merge_size), bool(mrope)
+        self.temporal_patch_size, self.patch_size = int(temporal_patch_size), int(patch_size)
         self.patch_dim = in_channels * temporal_patch_size * patch_size * patch_size
 
     @property
@@ -65,24 +72,34 @@ class Qwen2VL(Family):
                              f"Qwen2-VL configs have it)")
         super().check_config(config, raw, source)
         vc, tc = config.vision_config, config.get_text_config()
-        if vc.hidden_size != tc.hidden_size:
-            raise MmzooError(f"{source}: vision_config.hidden_size={vc.hidden_size} (the patch merger's output width) "
+        out, width = getattr(vc, cls.merger_width_key), getattr(vc, cls.vit_width_key)
+        if out != tc.hidden_size:
+            raise MmzooError(f"{source}: vision_config.{cls.merger_width_key}={out} (the patch merger's output width) "
                              f"differs from the text model's hidden_size={tc.hidden_size}")
-        head = vc.embed_dim // vc.num_heads
+        head = width // vc.num_heads
         if head % 4:
-            raise MmzooError(f"{source}: vision_config.embed_dim={vc.embed_dim} / num_heads={vc.num_heads} = {head}: "
-                             f"the ViT's 2-D rotary needs a head dim divisible by 4")
+            raise MmzooError(f"{source}: vision_config.{cls.vit_width_key}={width} / num_heads={vc.num_heads} = "
+                             f"{head}: the ViT's 2-D rotary needs a head dim divisible by 4")
 
     def raw_media(self, kind: str, items: list, processor) -> Media:
         """Images / videos through transformers' image / video processor (resize within min/max
         pixels, patchify); each item is its own tower call, so a call's dense attention (and its
         bucket's padding) covers one item."""
+        pixels, grid, _ = self.process(kind, items, processor)
+        return self.item_calls(pixels, grid)
+
+    def process(self, kind: str, items: list, processor) -> tuple[np.ndarray, np.ndarray, dict]:
+        """transformers' image or video processor on the items: ``patches [sum(t*h*w), patch_dim]``
+        in processor order, ``grid_thw [items, 3]`` and the processor's whole output."""
         if kind == "image":
             out = processor.image_processor(images=load_images(items), return_tensors="np")
-            pixels, grid = out["pixel_values"], as_grid(out["image_grid_thw"], "image_grid_thw")
-        else:
-            out = processor.video_processor(videos=load_videos(items), return_tensors="np")
-            pixels, grid = out["pixel_values_videos"], as_grid(out["video_grid_thw"], "video_grid_thw")
+            return out["pixel_values"], as_grid(out["image_grid_thw"], "image_grid_thw"), out
+        out = processor.video_processor(videos=load_videos(items), return_tensors="np", **self.video_kwargs)
+        return out["pixel_values_videos"], as_grid(out["video_grid_thw"], "video_grid_thw"), out
+
+    def item_calls(self, pixels: np.ndarray, grid: np.ndarray) -> Media:
+        """One tower call per item of ``pixels [sum(t*h*w), patch_dim]``, ``grid [items, 3]``: its
+        patches, their (row, column) and one attention segment per frame."""
         m2 = self.merge_size ** 2
         calls, start = [], 0
         for g in grid:
@@ -156,17 +173,22 @@ class Qwen2VL(Family):
 
 # ---------------------------------------------------------------- M-RoPE positions
 
-def rope_index(input_ids: np.ndarray, grids: dict[int, np.ndarray], *, merge_size: int) -> tuple[np.ndarray, int]:
+def rope_index(input_ids: np.ndarray, grids: dict[int, np.ndarray], *, merge_size: int,
+               time_steps: dict[int, np.ndarray] | None = None) -> tuple[np.ndarray, int]:
     """Qwen2-VL's 3-axis (t, h, w) rotary positions for one sequence.
 
     Text tokens advance all three axes together. The ``t*h*w/m^2`` placeholder tokens of an image
     or video take ``start + (t, row, column)`` of its merged grid, and the text after it resumes
-    at ``start + max(h, w) / m`` (as transformers 5.x computes it).
+    at ``start + max(h, w) / m`` (as transformers 5.x computes it). With ``time_steps``
+    (Qwen2.5-VL's videos), temporal index ``k`` takes ``int(k * step)`` (computed in float32 and
+    truncated, as transformers does) instead of ``k``.
 
     Args:
         input_ids: ``[s]`` token ids.
         grids: placeholder token id -> ``[k, 3]`` grid_thw of its images (or videos) in prompt order.
         merge_size: the spatial merge size.
+        time_steps: placeholder token id -> ``[k]`` positions per temporal grid step of each of its
+            items (Qwen2.5-VL: ``tokens_per_second * second_per_grid_t``); a token without: 1.
 
     Returns:
         ``positions [3, s]`` and the decode-time delta (``position of cache index i = i + delta``).
@@ -174,16 +196,24 @@ def rope_index(input_ids: np.ndarray, grids: dict[int, np.ndarray], *, merge_siz
     s = len(input_ids)
     pos = np.zeros((3, s), dtype=np.int64)
     queues = {tok: [tuple(int(x) for x in g) for g in np.asarray(gr).reshape(-1, 3)] for tok, gr in grids.items()}
+    steps = {tok: list(np.asarray(st, np.float32).reshape(-1)) for tok, st in (time_steps or {}).items()}
+    for tok, st in steps.items():
+        if len(st) != len(queues.get(tok, ())):
+            raise MmzooError(f"{len(st)} time steps for the {len(queues.get(tok, ()))} grids of placeholder {tok}")
     i, cur = 0, 0
     while i < s:
-        queue = queues.get(int(input_ids[i]))
+        tok = int(input_ids[i])
+        queue = queues.get(tok)
         if queue:
             t, h, w = queue.pop(0)
             gh, gw = h // merge_size, w // merge_size
             n = t * gh * gw
             if not np.all(input_ids[i:i + n] == input_ids[i]):
                 raise MmzooError(f"prompt has fewer placeholder tokens at index {i} than grid_thw {[t, h, w]} needs ({n})")
-            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+            frames = np.arange(t)
+            if tok in steps:  # float32 product, truncated toward zero: transformers' (arange * interval).long()
+                frames = (frames.astype(np.float32) * steps[tok].pop(0)).astype(np.int64)
+            tt, hh, ww = np.meshgrid(frames, np.arange(gh), np.arange(gw), indexing="ij")
             pos[:, i:i + n] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + cur
             cur += max(h, w) // merge_size
             i += n

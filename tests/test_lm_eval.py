@@ -101,19 +101,22 @@ def test_lm_eval_scores_through_the_server_equal_transformers(server, tmp_path):
         correct.append(float(np.argmax(mine) == sample["doc"]["answer"]))
     assert out["results"]["mmzoo_shapes_mc"]["acc,none"] == pytest.approx(np.mean(correct))
 
-    samples = out["samples"]["mmzoo_shapes_gen"]
-    assert len(samples) == 12
-    hits = []
-    for sample in samples:
-        (context, kwargs), (text,) = sample["arguments"][0], sample["resps"][0]
-        ids = client.tok_encode(context)
+    def greedy_answer(ids: list[int]) -> str:
+        """transformers' greedy continuation of ``ids``, cut at the task's stops as lm-eval cuts it."""
         with torch.no_grad():
             gen = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                  max_new_tokens=6, do_sample=False, pad_token_id=0)
         want = client.tokenizer.decode(gen[0, len(ids):], skip_special_tokens=True)
         for stop in ("\n", "."):
             want = want.split(stop)[0]
-        assert text == want, context
+        return want
+
+    samples = out["samples"]["mmzoo_shapes_gen"]
+    assert len(samples) == 12
+    hits = []
+    for sample in samples:
+        (context, kwargs), (text,) = sample["arguments"][0], sample["resps"][0]
+        assert text == greedy_answer(client.tok_encode(context)), context
         hits.append(float(text.strip() == sample["doc"]["answer"]))
     assert out["results"]["mmzoo_shapes_gen"]["exact_match,none"] == pytest.approx(np.mean(hits))
 
@@ -131,12 +134,6 @@ def test_lm_eval_scores_through_the_server_equal_transformers(server, tmp_path):
         assert [m["role"] for m in messages] == ["user"]
         ids = client.tokenizer(client.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                                     tokenize=False))["input_ids"]
-        with torch.no_grad():
-            gen = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=6, do_sample=False, pad_token_id=0)
-        want = client.tokenizer.decode(gen[0, len(ids):], skip_special_tokens=True)
-        for stop in ("\n", "."):
-            want = want.split(stop)[0]
-        assert text == want, messages
+        assert text == greedy_answer(ids), messages
         hits.append(float(text.strip() == sample["doc"]["answer"]))
     assert chat["results"]["mmzoo_shapes_gen"]["exact_match,none"] == pytest.approx(np.mean(hits))

@@ -357,6 +357,21 @@ def cast_note(t: torch.Tensor, dtype: torch.dtype, field: str) -> torch.Tensor:
     return t
 
 
+def _check_layer_windows(config, lm, source: str, name: str) -> None:
+    """The LM's layers attend as the checkpoint's ``layer_types`` and ``sliding_window`` say: a
+    conf file that does not pass them (``lm.layer_types``, ``lm.sliding_window``) would build full
+    attention where the checkpoint slides."""
+    text = config.get_text_config()
+    kinds = getattr(text, "layer_types", None) or ["full_attention"] * len(lm.layers)
+    window = getattr(text, "sliding_window", None)
+    want = [window if kind == "sliding_attention" else None for kind in kinds]
+    got = [layer.attn.sliding_window for layer in lm.layers]
+    if want != got:
+        raise MmzooError(f"{source}: the text model's layers attend with sliding windows {want} (layer_types, "
+                         f"sliding_window), but model={name}'s LM was built with {got}: its conf passes "
+                         f"lm.layer_types and lm.sliding_window from the checkpoint")
+
+
 def _eos_ids(checkpoint: Path, config, tokenizer, *, vocab_size: int) -> list[int]:
     """The ids generation stops at: generation_config.json's ``eos_token_id``, else config.json's,
     else the tokenizer's; each must be a token id of the LM's ``vocab_size`` rows."""
@@ -562,6 +577,7 @@ def build(cfg: DictConfig, *, executor: Executor | None = None, attention=None, 
     if dtype not in DTYPES:
         raise MmzooError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     family, model = build_model(cfg, attention=attention, towers=towers, empty=weights == "checkpoint")
+    _check_layer_windows(hf_config, model.lm, f"{checkpoint}/config.json", name)
     processor = read_processor(checkpoint)
     family.check_processor(processor, vocab_size=model.lm.vocab_size, source=checkpoint)
     eos = _eos_ids(checkpoint, hf_config, processor.tokenizer, vocab_size=model.lm.vocab_size)

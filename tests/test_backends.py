@@ -131,6 +131,64 @@ def test_windowed_equals_whole_row(backends, device):
         backends["sdpa"].windowed(q, k, v, window=24, **kw)
 
 
+SLIDING = [  # (case, window): prefill with packed prompts, a chunk at an offset, decode
+    (Case("slide-prefill-s300-seg-len", b=2, hq=4, hkv=2, sq=300, skv=300, d=64, causal=True, segments="self",
+          kv_len=(300, 170)), 50),
+    (Case("slide-chunk-s100x1000", b=2, hq=4, hkv=2, sq=100, skv=1000, d=64, causal=True,
+          q_pos=(tuple(range(0, 100)), tuple(range(600, 700)))), 130),
+    (Case("slide-decode-sq1-s1000-gqa4", b=3, hq=8, hkv=2, sq=1, skv=1000, d=64, causal=True,
+          q_pos=((3,), (417,), (999,)), kv_len=(4, 418, 1000)), 200),
+]
+
+
+def _sliding_reference(q, k, v, kwargs, window):
+    """Attention written out with the sliding window's rule, key ``j`` visible to a query at
+    ``p`` iff ``p - window < j <= p`` (with the case's lengths and segments)."""
+    b, hq, sq, d = q.shape
+    skv, groups = k.shape[2], hq // k.shape[1]
+    pos = kwargs.get("q_positions", torch.arange(sq).expand(b, sq) + (skv - sq))
+    j = torch.arange(skv)
+    visible = (j <= pos[:, :, None]) & (j > pos[:, :, None] - window)  # [b, sq, skv]
+    if "kv_lengths" in kwargs:
+        visible &= j < kwargs["kv_lengths"][:, None, None]
+    if "q_segment_ids" in kwargs:
+        visible &= kwargs["q_segment_ids"][:, :, None] == kwargs["kv_segment_ids"][:, None, :]
+    kk, vv = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = (q @ kk.transpose(-1, -2)) * kwargs["scale"]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    out = torch.softmax(scores, -1).nan_to_num(0.0) @ vv
+    return torch.where(visible.any(-1)[:, None, :, None], out, torch.zeros(()))
+
+
+@pytest.mark.parametrize("device", ["cpu", "xla"])
+@pytest.mark.parametrize("case,window", SLIDING, ids=lambda c: getattr(c, "id", str(c)))
+def test_sliding_window(backends, case, window, device):
+    """Each backend, Pallas with small tiles too (its tiles below every row's window skipped),
+    sees the last ``window`` keys up to each query's own: equal to the rule written out."""
+    q, k, v, kwargs = make_inputs(case, seed=3)
+    ref = _sliding_reference(q, k, v, kwargs, window)
+    dq, dk, dv, dkw = to_device(q, k, v, kwargs, torch_xla.device() if device == "xla" else "cpu")
+    fns = {**backends, "pallas-tiles": PallasAttention(block_q=64, block_kv=128)}
+    for name, fn in fns.items():
+        out = fn(dq, dk, dv, sliding_window=window, **dkw).cpu()
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(ValueError, match="a sliding window applies to causal attention"):
+        backends["eager"](q, k, v, scale=0.1, sliding_window=window)
+
+
+def test_sliding_window_in_windowed_prefill(backends):
+    """The executor's windowed form of packed prompts keeps each key's distance: with a sliding
+    window it sees what the whole row does."""
+    lengths = [5, 14, 16, 3, 9]
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((64 - sum(lengths),), 5)])
+    q, k, v, _ = make_inputs(Case("packed", b=1, hq=4, hkv=2, sq=64, skv=64, d=64, causal=True), seed=2)
+    kw = {"scale": 0.125, "q_segment_ids": seg[None], "kv_segment_ids": seg[None]}
+    ref = _sliding_reference(q, k, v, kw, 6)
+    for name, fn in backends.items():
+        out = fn.windowed(q, k, v, window=16, sliding_window=6, **kw)
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
 def test_small_blocks_match_eager():
     """Many q and kv tiles, padding in both and skipped causal blocks, at a small size."""
     case = Case("tiles", b=2, hq=4, hkv=2, sq=300, skv=300, d=64, causal=True, segments="self",

@@ -180,10 +180,8 @@ def _old_style_mrope(data: dict) -> None:  # transformers 4's rope_scaling, stil
     data["text_config"]["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 2]}
 
 
-def _sliding_layers(data: dict) -> None:  # layer_types derived: layer 1 (of 2) past max_window_layers slides
-    text = data["text_config"]
-    del text["layer_types"]
-    text.update(use_sliding_window=True, max_window_layers=1, sliding_window=16)
+def _chunked_layers(data: dict) -> None:  # a layer type transformers knows and mmzoo's LMs do not have
+    data["text_config"]["layer_types"] = ["full_attention", "chunked_attention"]
 
 
 def _also(*breakers):
@@ -240,9 +238,9 @@ CONFIG_VALUES = {
                           r"text_config\.head_dim=0 must be a positive integer \(or null\)$"),
         "hidden_act_number": (_set("text_config.hidden_act", 3),
                               r"text_config\.hidden_act=3 must be a non-empty string$"),
-        "sliding_window_layers": (_json_edit("config.json", _sliding_layers),
-                                  CFG + r"the text model's layers \[1\] are 'sliding_attention' \(layer_types; "
-                                        r"use_sliding_window=True\): mmzoo's LMs attend over the whole context$"),
+        "chunked_attention_layers": (_json_edit("config.json", _chunked_layers),
+                                     CFG + r"the text model's layers \[1\] are 'chunked_attention' \(layer_types\): "
+                                           r"mmzoo's LMs have full_attention and sliding_attention layers$"),
         "dtype_garbage": (_set("dtype", "garbage"), CFG + r'dtype="garbage" is not a torch dtype; expected one of \['),
         "torch_dtype_number": (_set("torch_dtype", 5), CFG + r"torch_dtype=5 is not a torch dtype"),
         "architectures_string": (_set("architectures", "Qwen2VLForConditionalGeneration"),

@@ -135,7 +135,8 @@ lm:
   norm_eps: ${{hf:text_config.rms_norm_eps}}
   act: ${{hf:text_config.hidden_act}}
   tie_word_embeddings: ${{hf:tie_word_embeddings,false}}
-  sliding_window: ${{hf:text_config.use_sliding_window,false}}
+  layer_types: ${{hf:text_config.layer_types,null}}
+  sliding_window: ${{hf:text_config.sliding_window,null}}
 """
 
 

@@ -56,34 +56,37 @@ class AttentionBackend:
         return self
 
     def folded_mask(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool, q_segment_ids, kv_segment_ids,
-                    q_positions, kv_lengths) -> torch.Tensor | None:
+                    q_positions, kv_lengths, sliding_window: int | None = None) -> torch.Tensor | None:
         """:func:`visibility_mask` folded for GQA (:func:`fold_gqa`), built once per forward.
 
         Every layer of a forward passes the same position / segment / length tensors, so the mask
         of the previous call is reused while those are the same objects (the memo holds them, so
-        their identities stay valid). On XLA this keeps the traced graph smaller.
+        their identities stay valid), one memo per sliding window (layers that alternate between
+        a window and none each find theirs). On XLA this keeps the traced graph smaller.
         """
         b, hq, sq, _ = q.shape
         skv, groups = k.shape[2], hq // k.shape[1]
         key = (b, sq, skv, groups, causal, str(q.device), q_segment_ids, kv_segment_ids, q_positions, kv_lengths)
+        args = (b, sq, skv, groups, q.device, causal, q_segment_ids, kv_segment_ids, q_positions, kv_lengths,
+                sliding_window)
         if not any(isinstance(t, torch.Tensor) for t in key):
             # shapes only: a memo would outlive the forward, and on XLA the next graph would take
             # the materialized mask as an input instead of building it (a different graph than
             # the one warmup compiled)
-            return self._folded(b, sq, skv, groups, q.device, causal, q_segment_ids, kv_segment_ids,
-                                q_positions, kv_lengths)
-        memo = getattr(self, "_mask_memo", None)
+            return self._folded(*args)
+        memos = self.__dict__.setdefault("_mask_memo", {})
+        memo = memos.get(sliding_window)
         if memo is not None and len(memo[0]) == len(key) and all(
                 a is c if isinstance(a, torch.Tensor) or isinstance(c, torch.Tensor) else a == c
                 for a, c in zip(memo[0], key)):
             return memo[1]
-        mask = self._folded(b, sq, skv, groups, q.device, causal, q_segment_ids, kv_segment_ids, q_positions,
-                            kv_lengths)
-        self._mask_memo = (key, mask)
+        mask = self._folded(*args)
+        memos[sliding_window] = (key, mask)
         return mask
 
     def windowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: int,
-                 q_segment_ids: torch.Tensor, kv_segment_ids: torch.Tensor) -> torch.Tensor:
+                 q_segment_ids: torch.Tensor, kv_segment_ids: torch.Tensor,
+                 sliding_window: int | None = None) -> torch.Tensor:
         """Causal attention over prompts packed in one row (``q [1, hq, s, d]``, ``k, v [1, hkv, s, d]``,
         segment ids ``[1, s]``), when no prompt is longer than ``window`` tokens: the same keys
         visible as ``self(q, k, v, causal=True, q_segment_ids=..., kv_segment_ids=...)``, at
@@ -101,8 +104,9 @@ class AttentionBackend:
         n = s // window
         seg, kv_seg, positions = self._window_ids(q_segment_ids, kv_segment_ids, n, window)
         qc = q.reshape(hq, n, window, d).transpose(0, 1)  # [n, hq, w, d]
+        extra = {} if sliding_window is None else {"sliding_window": sliding_window}  # key distances kept
         out = self(qc, _two_chunks(k, n, window), _two_chunks(v, n, window), scale=scale, causal=True,
-                   q_segment_ids=seg, kv_segment_ids=kv_seg, q_positions=positions)
+                   q_segment_ids=seg, kv_segment_ids=kv_seg, q_positions=positions, **extra)
         return out.transpose(0, 1).reshape(1, hq, s, out.shape[-1])
 
     def _window_ids(self, q_segment_ids, kv_segment_ids, n: int, window: int):
@@ -122,9 +126,11 @@ class AttentionBackend:
         return ids
 
     @staticmethod
-    def _folded(b, sq, skv, groups, device, causal, q_segment_ids, kv_segment_ids, q_positions, kv_lengths):
+    def _folded(b, sq, skv, groups, device, causal, q_segment_ids, kv_segment_ids, q_positions, kv_lengths,
+                sliding_window=None):
         mask = visibility_mask(b, sq, skv, device, causal=causal, q_segment_ids=q_segment_ids,
-                               kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_lengths=kv_lengths)
+                               kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_lengths=kv_lengths,
+                               sliding_window=sliding_window)
         if mask is not None and groups > 1:
             mask = mask.unsqueeze(2).expand(b, 1, groups, sq, skv).reshape(b, 1, groups * sq, skv)
         return mask
@@ -161,14 +167,19 @@ def visibility_mask(
     kv_segment_ids: torch.Tensor | None,
     q_positions: torch.Tensor | None,
     kv_lengths: torch.Tensor | None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor | None:
     """Boolean ``[b, 1, sq, skv]`` mask, True where a key is visible; ``None`` if all are."""
     mask = None
     kv_idx = torch.arange(skv, device=device)  # [skv]
+    if sliding_window is not None and not causal:
+        raise ValueError("attention: a sliding window applies to causal attention")
     if causal:
         if q_positions is None:
             q_positions = (torch.arange(sq, device=device) + (skv - sq)).expand(b, sq)
         mask = kv_idx.view(1, 1, skv) <= q_positions.view(b, sq, 1)  # [b, sq, skv]
+        if sliding_window is not None:  # the last sliding_window keys up to the query's own
+            mask = mask & (kv_idx.view(1, 1, skv) > q_positions.view(b, sq, 1) - sliding_window)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("attention: pass both q_segment_ids and kv_segment_ids, or neither")
     if q_segment_ids is not None:

@@ -97,23 +97,27 @@ def _online_softmax_step(q, k, v, visible, m_ref, l_ref, acc_ref, scale):
     m_ref[...] = m_next
 
 
-def _fold_tile(q_ref, k_ref, v_ref, visible, start, stop, block_kv, m_ref, l_ref, acc_ref, scale):
+def _fold_tile(q_ref, k_ref, v_ref, visible, start, stop, block_kv, m_ref, l_ref, acc_ref, scale, lo=None):
     """Fold the kv tile starting at key ``start`` into the accumulators if any of its keys is below
-    ``stop``, the key from which on no query row of the tile looks (``visible()``: the tile's mask).
+    ``stop``, the key from which on no query row of the tile looks (``visible()``: the tile's mask),
+    and at or past ``lo``, the first key any row looks at (a sliding window; None: 0).
 
     The tile that holds ``stop`` gets its values at and past it cut to zeros, by selection: they
     would meet zero weights in ``p @ v``, and a cache row past a sequence's end may hold anything
     (0 * NaN is NaN). Only that one tile pays for the cut; the tiles below ``stop`` are taken as
-    they are and the ones past it are skipped.
+    they are and the ones past it (or wholly below ``lo``: earlier keys of the same rows, finite)
+    are skipped.
     """
     def fold(v):
         _online_softmax_step(q_ref[...], k_ref[...], v, visible(), m_ref, l_ref, acc_ref, scale)
 
-    @pl.when(start + block_kv <= stop)
+    live = True if lo is None else start + block_kv > lo
+
+    @pl.when((start + block_kv <= stop) & live)
     def _():
         fold(v_ref[...])
 
-    @pl.when((start < stop) & (start + block_kv > stop))
+    @pl.when((start < stop) & (start + block_kv > stop) & live)
     def _():
         v = v_ref[...]  # [bk, d]
         below = jax.lax.broadcasted_iota(jnp.int32, v.shape, 0) < stop - start
@@ -127,21 +131,24 @@ def _write_output(o_ref, m_ref, l_ref, acc_ref):
     o_ref[...] = jnp.where(seen, acc_ref[...] / l, 0.0).astype(o_ref.dtype)
 
 
-def _tile_mask(start, shape, kv_len, q_pos):
+def _tile_mask(start, shape, kv_len, q_pos, window=None):
     """Which keys of the tile starting at key ``start`` each query row sees (``shape`` = [rows, bk]):
-    below ``kv_len`` (a partly filled cache) and at most ``q_pos`` ([rows, 1], causal); None: all."""
+    below ``kv_len`` (a partly filled cache), at most ``q_pos`` ([rows, 1], causal) and, with a
+    sliding ``window``, past ``q_pos - window``; None: all."""
     if kv_len is None and q_pos is None:
         return None
     kv_idx = start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)  # [rows, bk]
     visible = None if kv_len is None else kv_idx < kv_len
     if q_pos is not None:
         rule = kv_idx <= q_pos
+        if window is not None:
+            rule = rule & (kv_idx > q_pos - window)
         visible = rule if visible is None else visible & rule
     return visible
 
 
-def _flash_kernel(kv_len_ref, kv_stop_ref, *refs, block_kv, num_q_blocks, scale, causal,
-                  segments, mask_length):
+def _flash_kernel(kv_len_ref, kv_stop_ref, kv_lo_ref, *refs, block_kv, num_q_blocks, scale, causal,
+                  segments, mask_length, window):
     q_ref, k_ref, v_ref, *refs = refs
     q_pos_ref = refs.pop(0) if causal else None
     q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if segments else (None, None)
@@ -156,18 +163,29 @@ def _flash_kernel(kv_len_ref, kv_stop_ref, *refs, block_kv, num_q_blocks, scale,
 
     def visible():
         mask = _tile_mask(start, (q_ref.shape[0], block_kv), kv_len_ref[bi] if mask_length else None,
-                          q_pos_ref[:, :1] if causal else None)
+                          q_pos_ref[:, :1] if causal else None, window)
         if segments:
             rule = q_seg_ref[:, :1] == kv_seg_ref[:1, :]  # [bq, 1] == [1, bk]
             mask = rule if mask is None else mask & rule
         return mask
 
-    _fold_tile(q_ref, k_ref, v_ref, visible, start, kv_stop_ref[bi * num_q_blocks + qi], block_kv,
-               m_ref, l_ref, acc_ref, scale)
+    tile = bi * num_q_blocks + qi
+    _fold_tile(q_ref, k_ref, v_ref, visible, start, kv_stop_ref[tile], block_kv, m_ref, l_ref, acc_ref, scale,
+               kv_lo_ref[tile] if window is not None else None)
 
     @pl.when(kj == pl.num_programs(3) - 1)
     def _():
         _write_output(o_ref, m_ref, l_ref, acc_ref)
+
+
+def _window_start(pos, window: int | None, kv_stop) -> jax.Array:
+    """The first key any query of a tile sees under a sliding ``window``: ``pos [..., rows]`` the
+    tile's query positions (padding rows at -1 see nothing) -> ``[...]``, 0 without a window (a
+    tile of padding only: its ``kv_stop``, so it folds nothing)."""
+    if window is None:
+        return jnp.zeros_like(kv_stop)
+    real = jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max)
+    return jnp.minimum(jnp.maximum(real.min(axis=-1) - window + 1, 0), kv_stop)
 
 
 def _kv_lengths(kv_lengths, b: int, skv: int) -> jax.Array:
@@ -204,13 +222,15 @@ def _one_call_per_sequence_and_kv_head(call, per_seq, per_head):
 
 def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
                     kv_lengths=None, *, scale: float, causal: bool, block_q: int, block_kv: int,
-                    interpret: bool, vmem_limit_bytes: int | None = None):
+                    interpret: bool, vmem_limit_bytes: int | None = None, window: int | None = None):
     """Blocked attention with the full mmzoo masking contract.
 
     Args:
         q: ``[b, hq, sq, d]``; k, v: ``[b, hkv, skv, d]`` with ``hq % hkv == 0``.
         q_segment_ids / kv_segment_ids: ``[b, sq]`` / ``[b, skv]`` or None (both or neither).
         q_positions: ``[b, sq]`` or None; kv_lengths: ``[b]`` or None.
+        window: a sliding window (causal only): a query at position ``p`` sees keys ``p - window
+            < j <= p``; the kv tiles wholly below every row's window are skipped.
         block_q: query rows per tile (a multiple of 8); block_kv: keys per tile (a multiple of 128).
             A sequence no longer than its block is one full-length tile; a longer one is padded
             up to a multiple of the block, and the padding is masked.
@@ -235,6 +255,9 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, q_position
         meta.append(jnp.broadcast_to(pos[:, :, None], (b, sq_p, LANES)))
     else:
         kv_stop = jnp.broadcast_to(kv_len[:, None], (b, nq))
+    if window is not None and not causal:
+        raise ValueError("flash_attention: a sliding window applies to causal attention")
+    kv_lo = _window_start(pos.reshape(b, nq, bq) if causal else None, window, kv_stop)  # [b, nq]
     if segments:
         q_seg = _pad_axis(q_segment_ids.astype(jnp.int32).reshape(b, sq), 1, sq_p)
         kv_seg = _pad_axis(kv_segment_ids.astype(jnp.int32).reshape(b, skv), 1, skv_p)
@@ -246,51 +269,53 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, q_position
     call = functools.partial(
         _flash_call, bq=bq, bk=bk, scale=scale, causal=causal, segments=segments,
         mask_length=kv_lengths is not None or skv_p != skv, interpret=interpret,
-        vmem_limit_bytes=vmem_limit_bytes)
+        vmem_limit_bytes=vmem_limit_bytes, window=window)
     if interpret:
         def one(seq, heads):
-            length, stop, *m = seq  # [], [nq], [sq_p, 128] / [8, skv_p]
+            length, stop, lo, *m = seq  # [], [nq], [nq], [sq_p, 128] / [8, skv_p]
             qh, kh, vh = heads  # [groups, sq_p, d], [skv_p, d], [skv_p, d]
-            return call(length[None], stop, qh[None], kh[None, None], vh[None, None], *(x[None] for x in m))[0]
+            return call(length[None], stop, lo, qh[None], kh[None, None], vh[None, None], *(x[None] for x in m))[0]
 
-        out = _one_call_per_sequence_and_kv_head(one, (kv_len, kv_stop, *meta), (q, k, v))
+        out = _one_call_per_sequence_and_kv_head(one, (kv_len, kv_stop, kv_lo, *meta), (q, k, v))
     else:
-        out = call(kv_len, kv_stop.reshape(b * nq), q.reshape(b, hq, sq_p, d), k, v, *meta)
+        out = call(kv_len, kv_stop.reshape(b * nq), kv_lo.reshape(b * nq), q.reshape(b, hq, sq_p, d), k, v, *meta)
     out = out.reshape(b, hq, sq_p, d)
     return out[:, :, :sq] if sq_p != sq else out
 
 
-def _flash_call(kv_len, kv_stop, q, k, v, *meta, bq, bk, scale, causal, segments, mask_length,
-                interpret, vmem_limit_bytes):
+def _flash_call(kv_len, kv_stop, kv_lo, q, k, v, *meta, bq, bk, scale, causal, segments, mask_length,
+                interpret, vmem_limit_bytes, window):
     """The flash pallas_call on padded inputs: q ``[b, hq, sq_p, d]``, k/v ``[b, hkv, skv_p, d]``,
-    kv_len ``[b]``, kv_stop ``[b * nq]``, meta as built by :func:`flash_attention`."""
+    kv_len ``[b]``, kv_stop and kv_lo ``[b * nq]``, meta as built by :func:`flash_attention`."""
     b, hq, sq_p, d = q.shape
     groups = hq // k.shape[1]
     nq, nk = sq_p // bq, k.shape[2] // bk
 
-    def kv_block(bi, qi, kj, kv_stop_ref):
-        # Past the last needed block keep pointing at it: an unchanged index is not re-fetched.
-        last = jnp.maximum(kv_stop_ref[bi * nq + qi] - 1, 0) // bk
-        return jnp.minimum(kj, last)
+    def kv_block(bi, qi, kj, kv_stop_ref, kv_lo_ref):
+        # Past the last needed block keep pointing at it (and before the first needed one at that
+        # one): an unchanged index is not re-fetched.
+        tile = bi * nq + qi
+        last = jnp.maximum(kv_stop_ref[tile] - 1, 0) // bk
+        return jnp.minimum(jnp.maximum(kj, kv_lo_ref[tile] // bk), last)
 
     q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, h, qi, kj, *_: (bi, h, qi, 0))
-    kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, h, qi, kj, _, stop: (
-        bi, h // groups, kv_block(bi, qi, kj, stop), 0))
+    kv_spec = pl.BlockSpec((None, None, bk, d), lambda bi, h, qi, kj, _, stop, lo: (
+        bi, h // groups, kv_block(bi, qi, kj, stop, lo), 0))
     in_specs = [q_spec, kv_spec, kv_spec]
     if causal:
         in_specs.append(pl.BlockSpec((None, bq, LANES), lambda bi, h, qi, kj, *_: (bi, qi, 0)))
     if segments:
         in_specs.append(pl.BlockSpec((None, bq, LANES), lambda bi, h, qi, kj, *_: (bi, qi, 0)))
-        in_specs.append(pl.BlockSpec((None, SUBLANES, bk), lambda bi, h, qi, kj, _, stop: (
-            bi, 0, kv_block(bi, qi, kj, stop))))
+        in_specs.append(pl.BlockSpec((None, SUBLANES, bk), lambda bi, h, qi, kj, _, stop, lo: (
+            bi, 0, kv_block(bi, qi, kj, stop, lo))))
 
     kernel = functools.partial(_flash_kernel, block_kv=bk, num_q_blocks=nq, scale=scale,
-                               causal=causal, segments=segments, mask_length=mask_length)
+                               causal=causal, segments=segments, mask_length=mask_length, window=window)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=(b, hq, nq, nk),
             in_specs=in_specs,
             out_specs=q_spec,
@@ -302,11 +327,11 @@ def _flash_call(kv_len, kv_stop, q, k, v, *meta, bq, bk, scale, causal, segments
             vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret,
         name="mmzoo_flash_attention",
-    )(kv_len, kv_stop.astype(jnp.int32), q, k, v, *meta)
+    )(kv_len, kv_stop.astype(jnp.int32), kv_lo.astype(jnp.int32), q, k, v, *meta)
 
 
-def _decode_kernel(kv_len_ref, kv_stop_ref, q_ref, k_ref, v_ref, *refs, block_kv, scale, causal,
-                   mask_length):
+def _decode_kernel(kv_len_ref, kv_stop_ref, kv_lo_ref, q_ref, k_ref, v_ref, *refs, block_kv, scale, causal,
+                   mask_length, window):
     q_pos_ref = refs[0] if causal else None
     o_ref, m_ref, l_ref, acc_ref = refs[-4:]
     bi, kj = pl.program_id(0), pl.program_id(2)
@@ -319,9 +344,10 @@ def _decode_kernel(kv_len_ref, kv_stop_ref, q_ref, k_ref, v_ref, *refs, block_kv
 
     def visible():
         return _tile_mask(start, (q_ref.shape[0], block_kv), kv_len_ref[bi] if mask_length else None,
-                          q_pos_ref[:, :1] if causal else None)
+                          q_pos_ref[:, :1] if causal else None, window)
 
-    _fold_tile(q_ref, k_ref, v_ref, visible, start, kv_stop_ref[bi], block_kv, m_ref, l_ref, acc_ref, scale)
+    _fold_tile(q_ref, k_ref, v_ref, visible, start, kv_stop_ref[bi], block_kv, m_ref, l_ref, acc_ref, scale,
+               kv_lo_ref[bi] if window is not None else None)
 
     @pl.when(kj == pl.num_programs(2) - 1)
     def _():
@@ -329,7 +355,7 @@ def _decode_kernel(kv_len_ref, kv_stop_ref, q_ref, k_ref, v_ref, *refs, block_kv
 
 
 def decode_attention(q, k, v, q_positions=None, kv_lengths=None, *, scale: float, causal: bool,
-                     block_kv: int, interpret: bool, vmem_limit_bytes: int | None = None):
+                     block_kv: int, interpret: bool, vmem_limit_bytes: int | None = None, window: int | None = None):
     """A few queries per sequence against a partly filled KV cache.
 
     Args:
@@ -339,6 +365,8 @@ def decode_attention(q, k, v, q_positions=None, kv_lengths=None, *, scale: float
         kv_lengths: ``[b]`` filled length of each cache row, or None.
         block_kv: cache rows per tile (a multiple of 128). A cache longer than one block whose
             length is not a multiple of it is padded (a copy): size caches in whole blocks.
+        window: a sliding window (causal only), as :func:`flash_attention`'s: the cache blocks
+            wholly below every query's window are skipped.
 
     Returns:
         ``[b, hq, sq, d]`` in q's dtype; rows that see no key are zeros.
@@ -358,6 +386,9 @@ def decode_attention(q, k, v, q_positions=None, kv_lengths=None, *, scale: float
         meta.append(jnp.broadcast_to(pos_rows[:, :, None], (b, rows, LANES)))
     else:
         kv_stop = kv_len
+    if window is not None and not causal:
+        raise ValueError("decode_attention: a sliding window applies to causal attention")
+    kv_lo = _window_start(pos if causal else None, window, kv_stop)  # [b]
     # The groups query heads of a kv head are adjacent: [b, hq, sq, d] -> [b, hkv, groups * sq, d]
     # is a free reshape, and row r of a tile is query r % sq.
     q = q.reshape(b, hkv, rows, d)
@@ -365,28 +396,29 @@ def decode_attention(q, k, v, q_positions=None, kv_lengths=None, *, scale: float
 
     call = functools.partial(_decode_call, bk=bk, scale=scale, causal=causal,
                              mask_length=kv_lengths is not None or skv_p != skv, interpret=interpret,
-                             vmem_limit_bytes=vmem_limit_bytes)
+                             vmem_limit_bytes=vmem_limit_bytes, window=window)
     if interpret:
         def one(seq, heads):
-            length, stop, *m = seq  # [], [], [rows, 128]
+            length, stop, lo, *m = seq  # [], [], [], [rows, 128]
             qh, kh, vh = heads  # [rows, d], [skv_p, d], [skv_p, d]
-            return call(length[None], stop[None], qh[None, None], kh[None, None], vh[None, None],
+            return call(length[None], stop[None], lo[None], qh[None, None], kh[None, None], vh[None, None],
                         *(x[None] for x in m))[0, 0]
 
-        out = _one_call_per_sequence_and_kv_head(one, (kv_len, kv_stop, *meta), (q, k, v))
+        out = _one_call_per_sequence_and_kv_head(one, (kv_len, kv_stop, kv_lo, *meta), (q, k, v))
     else:
-        out = call(kv_len, kv_stop, q, k, v, *meta)
+        out = call(kv_len, kv_stop, kv_lo, q, k, v, *meta)
     return out.reshape(b, hq, sq, d)
 
 
-def _decode_call(kv_len, kv_stop, q, k, v, *meta, bk, scale, causal, mask_length, interpret,
-                 vmem_limit_bytes):
-    """The decode pallas_call: q ``[b, hkv, rows, d]``, k/v ``[b, hkv, S_p, d]``, kv_len and
-    kv_stop ``[b]``, meta as built by :func:`decode_attention`."""
+def _decode_call(kv_len, kv_stop, kv_lo, q, k, v, *meta, bk, scale, causal, mask_length, interpret,
+                 vmem_limit_bytes, window):
+    """The decode pallas_call: q ``[b, hkv, rows, d]``, k/v ``[b, hkv, S_p, d]``, kv_len, kv_stop
+    and kv_lo ``[b]``, meta as built by :func:`decode_attention`."""
     b, hkv, rows, d = q.shape
 
-    def kv_spec_index(bi, h, kj, _, kv_stop_ref):
-        return bi, h, jnp.minimum(kj, jnp.maximum(kv_stop_ref[bi] - 1, 0) // bk), 0
+    def kv_spec_index(bi, h, kj, _, kv_stop_ref, kv_lo_ref):
+        first, last = kv_lo_ref[bi] // bk, jnp.maximum(kv_stop_ref[bi] - 1, 0) // bk
+        return bi, h, jnp.minimum(jnp.maximum(kj, first), last), 0
 
     q_spec = pl.BlockSpec((None, None, rows, d), lambda bi, h, kj, *_: (bi, h, 0, 0))
     kv_spec = pl.BlockSpec((None, None, bk, d), kv_spec_index)
@@ -395,12 +427,12 @@ def _decode_call(kv_len, kv_stop, q, k, v, *meta, bk, scale, causal, mask_length
         in_specs.append(pl.BlockSpec((None, rows, LANES), lambda bi, h, kj, *_: (bi, 0, 0)))
 
     kernel = functools.partial(_decode_kernel, block_kv=bk, scale=scale, causal=causal,
-                               mask_length=mask_length)
+                               mask_length=mask_length, window=window)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=(b, hkv, k.shape[2] // bk),
             in_specs=in_specs,
             out_specs=q_spec,
@@ -411,4 +443,4 @@ def _decode_call(kv_len, kv_stop, q, k, v, *meta, bk, scale, causal, mask_length
             dimension_semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret,
         name="mmzoo_decode_attention",
-    )(kv_len, kv_stop.astype(jnp.int32), q, k, v, *meta)
+    )(kv_len, kv_stop.astype(jnp.int32), kv_lo.astype(jnp.int32), q, k, v, *meta)

@@ -25,7 +25,7 @@ from mmzoo.backends import _pallas_kernels as _pk
 from mmzoo.backends._base import AttentionBackend, check_inputs
 
 _MiB = 1 << 20
-_KERNEL_STATIC = ("scale", "causal", "block_q", "block_kv", "interpret", "vmem_limit_bytes")
+_KERNEL_STATIC = ("scale", "causal", "block_q", "block_kv", "interpret", "vmem_limit_bytes", "window")
 _jit_flash = jax.jit(_pk.flash_attention, static_argnames=_KERNEL_STATIC)
 _jit_decode = jax.jit(_pk.decode_attention, static_argnames=_KERNEL_STATIC[:2] + _KERNEL_STATIC[3:])
 
@@ -140,14 +140,16 @@ class PallasAttention(AttentionBackend):
                     f"(or decode_max_q) or raise vmem_limit_bytes")
 
     def __call__(self, q, k, v, *, scale, causal=False, q_segment_ids=None, kv_segment_ids=None,
-                 q_positions=None, kv_lengths=None):
+                 q_positions=None, kv_lengths=None, sliding_window=None):
         check_inputs(q, k, v)
         if (q_segment_ids is None) != (kv_segment_ids is None):
             raise ValueError("attention: pass both q_segment_ids and kv_segment_ids, or neither")
         b, hq, sq, _ = q.shape
         hkv, skv = k.shape[1], k.shape[2]
         on_xla = q.device.type == "xla"
-        if on_xla and self._xla_flash is not None and self._xla_flash_takes(
+        if sliding_window is not None and not causal:
+            raise ValueError("attention: a sliding window applies to causal attention")
+        if on_xla and self._xla_flash is not None and sliding_window is None and self._xla_flash_takes(
                 hq, hkv, sq, skv, q_positions, kv_lengths, q_segment_ids, kv_segment_ids):
             seg = None if q_segment_ids is None else q_segment_ids.to(torch.int32)
             return self._xla_flash(q, k, v, causal=causal, q_segment_ids=seg, kv_segment_ids=seg,
@@ -157,7 +159,8 @@ class PallasAttention(AttentionBackend):
         decode = sq <= self.decode_max_q and q_segment_ids is None
         interpret = self.interpret or not on_xla
         static = {"scale": float(scale), "causal": bool(causal), "block_kv": self.block_kv,
-                  "interpret": interpret, "vmem_limit_bytes": None if interpret else self.vmem_limit_bytes}
+                  "interpret": interpret, "vmem_limit_bytes": None if interpret else self.vmem_limit_bytes,
+                  "window": None if sliding_window is None else int(sliding_window)}
         if decode:
             fn, jitted, tensors = _pk.decode_attention, _jit_decode, (q, k, v, *ints)
         else:

@@ -28,12 +28,18 @@ class Attention(nn.Module):
         qkv_bias: bias on the q/k/v projections.
         out_bias: bias on the output projection.
         layer_idx: index of this layer in its stack (selects its slot in a KV cache).
+        sliding_window: causal attention over the last this many keys up to each query's own
+            (a sliding-window layer of Qwen2, Gemma 3); None: every earlier key.
     """
 
     def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, attn_fn,
-                 causal: bool, qkv_bias: bool, out_bias: bool, layer_idx: int = 0):
+                 causal: bool, qkv_bias: bool, out_bias: bool, layer_idx: int = 0, sliding_window: int | None = None):
         super().__init__()
         attn_fn.check_shape(head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        if sliding_window is not None and (not causal or sliding_window <= 0):
+            raise ValueError(f"attention: sliding_window={sliding_window} needs causal attention and a positive "
+                             f"window (causal={causal})")
+        self.sliding_window = sliding_window
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.causal = causal
@@ -87,6 +93,8 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)
         kwargs = dict(attn_kwargs or {})
         window = kwargs.pop("window", None)
+        if self.sliding_window is not None:
+            kwargs["sliding_window"] = self.sliding_window
         if rows is not None:
             q, s, window = take_rows(q.transpose(1, 2), rows).transpose(1, 2), rows.shape[1], None
             qpos = kwargs.get("q_positions")

@@ -24,21 +24,27 @@ class DecoderLM(nn.Module):
         norm_eps: RMSNorm epsilon.
         act: MLP activation.
         tie_word_embeddings: share the LM head with the token embedding.
+        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"`` (transformers'
+            ``layer_types``); None: every layer full.
+        sliding_window: the sliding layers' window (keys up to each query's own).
     """
 
     def __init__(self, *, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, intermediate_dim: int, rotary: Rotary, attn_fn, qkv_bias: bool,
-                 norm_eps: float, act: str = "silu", tie_word_embeddings: bool = False):
+                 norm_eps: float, act: str = "silu", tie_word_embeddings: bool = False,
+                 layer_types: list[str] | None = None, sliding_window: int | None = None):
         super().__init__()
         if rotary.head_dim != head_dim:
             raise ValueError(f"rotary covers {rotary.head_dim} channels but head_dim={head_dim}")
+        windows = layer_windows(num_layers, layer_types, sliding_window)
         self.dim, self.num_layers, self.num_kv_heads, self.head_dim = dim, num_layers, num_kv_heads, head_dim
         self.embed_tokens = nn.Embedding(vocab_size, dim)
         self.rotary = rotary
         self.layers = nn.ModuleList(
             TransformerBlock(
                 attn=Attention(dim=dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                               attn_fn=attn_fn, causal=True, qkv_bias=qkv_bias, out_bias=False, layer_idx=i),
+                               attn_fn=attn_fn, causal=True, qkv_bias=qkv_bias, out_bias=False, layer_idx=i,
+                               sliding_window=windows[i]),
                 mlp=GatedMLP(dim=dim, hidden_dim=intermediate_dim, act=act),
                 norm1=RMSNorm(dim, norm_eps),
                 norm2=RMSNorm(dim, norm_eps),
@@ -95,6 +101,22 @@ class DecoderLM(nn.Module):
         return self.lm_head(self.norm(hidden)).float()
 
 
+def layer_windows(num_layers: int, layer_types: list[str] | None, sliding_window: int | None) -> list[int | None]:
+    """Each layer's sliding window (None: full attention) from transformers' ``layer_types``."""
+    if layer_types is None:
+        return [None] * num_layers
+    kinds = list(layer_types)
+    if len(kinds) != num_layers:
+        raise ValueError(f"layer_types has {len(kinds)} entries for num_layers={num_layers}")
+    bad = sorted({k for k in kinds if k not in ("full_attention", "sliding_attention")})
+    if bad:
+        raise ValueError(f"layer_types holds {bad}: mmzoo's LMs have full_attention and sliding_attention layers")
+    if "sliding_attention" in kinds and (not isinstance(sliding_window, int) or sliding_window <= 0):
+        raise ValueError(f"layer_types has sliding_attention layers but sliding_window={sliding_window!r} is not a "
+                         f"positive integer")
+    return [sliding_window if k == "sliding_attention" else None for k in kinds]
+
+
 # ---------------------------------------------------------------- component builders (conf/lm/*.yaml)
 
 def _plain_rope(rope_type: str) -> None:
@@ -105,27 +127,29 @@ def _plain_rope(rope_type: str) -> None:
 def qwen2(*, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_dim: int,
           head_dim: int | None = None, rope_theta: float = 1e6, mrope_section: list[int] | None = None,
           rope_type: str = "default", norm_eps: float = 1e-6, act: str = "silu", tie_word_embeddings: bool = False,
-          sliding_window: bool = False, attention="sdpa") -> DecoderLM:
+          layer_types: list[str] | None = None, sliding_window: int | None = None, attention="sdpa") -> DecoderLM:
     """The Qwen2 decoder (q/k/v bias, RMSNorm, SwiGLU): 1-D RoPE, or Qwen2-VL's M-RoPE when
-    ``mrope_section`` (frequencies per t/h/w axis) is given."""
+    ``mrope_section`` (frequencies per t/h/w axis) is given; the ``sliding_attention`` layers of
+    ``layer_types`` (``use_sliding_window``: those from ``max_window_layers`` on) attend over the
+    last ``sliding_window`` tokens."""
     from mmzoo.backends import resolve
     from mmzoo.layers import mrope, rope_1d
 
     _plain_rope(rope_type)
-    if sliding_window:
-        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
     head_dim = head_dim or dim // num_heads
     rotary = mrope(head_dim, rope_theta, list(mrope_section)) if mrope_section else rope_1d(head_dim, rope_theta)
     return DecoderLM(vocab_size=vocab_size, dim=dim, num_layers=num_layers, num_heads=num_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_dim=intermediate_dim, rotary=rotary,
                      attn_fn=resolve(attention), qkv_bias=True, norm_eps=norm_eps, act=act,
-                     tie_word_embeddings=tie_word_embeddings)
+                     tie_word_embeddings=tie_word_embeddings, layer_types=layer_types, sliding_window=sliding_window)
 
 
 def llama(*, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_dim: int,
           head_dim: int | None = None, rope_theta: float = 10000.0, rope_type: str = "default", norm_eps: float = 1e-5,
-          act: str = "silu", tie_word_embeddings: bool = False, attention="sdpa") -> DecoderLM:
-    """The Llama decoder: no q/k/v bias, RMSNorm, SwiGLU, 1-D RoPE."""
+          act: str = "silu", tie_word_embeddings: bool = False, layer_types: list[str] | None = None,
+          sliding_window: int | None = None, attention="sdpa") -> DecoderLM:
+    """The Llama decoder: no q/k/v bias, RMSNorm, SwiGLU, 1-D RoPE (with ``layer_types``' sliding
+    layers, as :func:`qwen2`'s, when a config has them)."""
     from mmzoo.backends import resolve
     from mmzoo.layers import rope_1d
 
@@ -134,4 +158,5 @@ def llama(*, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_
     return DecoderLM(vocab_size=vocab_size, dim=dim, num_layers=num_layers, num_heads=num_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_dim=intermediate_dim,
                      rotary=rope_1d(head_dim, rope_theta), attn_fn=resolve(attention), qkv_bias=False,
-                     norm_eps=norm_eps, act=act, tie_word_embeddings=tie_word_embeddings)
+                     norm_eps=norm_eps, act=act, tie_word_embeddings=tie_word_embeddings, layer_types=layer_types,
+                     sliding_window=sliding_window)

@@ -184,11 +184,11 @@ class Family:
                 raise MmzooError(f"{source} has no {name} (the {name.split('_')[0]} model's settings); transformers "
                                  f"would fill in the defaults of another model")
         text = config.get_text_config()
-        sliding = [i for i, kind in enumerate(getattr(text, "layer_types", None) or []) if kind != "full_attention"]
-        if sliding:
-            raise MmzooError(f"{source}: the text model's layers {sliding} are {text.layer_types[sliding[0]]!r} "
-                             f"(layer_types; use_sliding_window={getattr(text, 'use_sliding_window', None)}): mmzoo's "
-                             f"LMs attend over the whole context")
+        other = [i for i, kind in enumerate(getattr(text, "layer_types", None) or [])
+                 if kind not in ("full_attention", "sliding_attention")]
+        if other:
+            raise MmzooError(f"{source}: the text model's layers {other} are {text.layer_types[other[0]]!r} "
+                             f"(layer_types): mmzoo's LMs have full_attention and sliding_attention layers")
         vocab = text.vocab_size
         seen: dict[int, str] = {}
         for kind in cls.modalities:

@@ -37,9 +37,10 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 class LazyTensor:
     """A tensor of a safetensors file, read when :meth:`load` is called.
 
-    It answers ``shape`` and ``dtype`` (from the file's header) and :meth:`chunk`, so that a
-    family's :meth:`~mmzoo.models.Family.convert_weights` (renames, a fused qkv split in three) runs
-    on the checkpoint's names without reading a byte.
+    It answers ``shape`` and ``dtype`` (from the file's header), :meth:`chunk` and :meth:`reshape`,
+    so that a family's :meth:`~mmzoo.models.Family.convert_weights` (renames, a fused qkv split in
+    three, InternViT's ``[1, 1, d]`` class token as CLIP's ``[d]``) runs on the checkpoint's names
+    without reading a byte.
 
     Attributes:
         path: the safetensors file.
@@ -47,6 +48,7 @@ class LazyTensor:
         shape: the shape after ``part`` is taken.
         dtype: its torch dtype.
         part: ``(dim, start, stop)``: only that slice along ``dim`` (a chunk), or None.
+        reshaped: the file's tensor is read as ``shape`` (:meth:`reshape`).
     """
 
     path: Path
@@ -54,14 +56,15 @@ class LazyTensor:
     shape: torch.Size
     dtype: torch.dtype
     part: tuple[int, int, int] | None = None
+    reshaped: bool = False
 
     def numel(self) -> int:
         return self.shape.numel()
 
     def chunk(self, chunks: int, dim: int = 0) -> list[LazyTensor]:
         """``torch.chunk`` of the tensor, lazily (equal parts along ``dim``)."""
-        if self.part is not None:
-            raise NotImplementedError("LazyTensor.chunk of a chunk")
+        if self.part is not None or self.reshaped:
+            raise NotImplementedError("LazyTensor.chunk of a chunk or of a reshaped tensor")
         dim = dim % len(self.shape)
         size = -(-self.shape[dim] // chunks)
         out = []
@@ -71,6 +74,19 @@ class LazyTensor:
             shape[dim] = stop - start
             out.append(LazyTensor(self.path, self.key, torch.Size(shape), self.dtype, (dim, start, stop)))
         return out
+
+    def reshape(self, *shape) -> LazyTensor:
+        """``torch.reshape`` of the whole tensor, lazily (the same elements in the same order).
+
+        Raises:
+            ValueError: ``shape`` holds another number of elements than the tensor.
+        """
+        new = torch.Size(shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
+        if self.part is not None:
+            raise NotImplementedError("LazyTensor.reshape of a chunk")
+        if new.numel() != self.shape.numel():
+            raise ValueError(f"{self.key}: cannot reshape {list(self.shape)} to {list(new)}")
+        return LazyTensor(self.path, self.key, new, self.dtype, None, True)
 
     def contiguous(self) -> LazyTensor:
         return self  # a loaded tensor is always contiguous
@@ -97,7 +113,8 @@ class LazyTensor:
 
     def _read(self, f) -> torch.Tensor:
         if self.part is None:
-            return f.get_tensor(self.key)
+            t = f.get_tensor(self.key)
+            return t.reshape(self.shape) if self.reshaped else t
         dim, start, stop = self.part
         return f.get_slice(self.key)[(slice(None),) * dim + (slice(start, stop),)]
 

@@ -117,18 +117,23 @@ _POSITIVE_INT = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",  # LMs, CLIP
     "embed_dim", "depth", "num_heads", "in_channels", "patch_size", "temporal_patch_size",  # Qwen2-VL's ViT
     "spatial_merge_size", "out_hidden_size", "window_size",  # Qwen2.5-VL's ViT
-    "image_size", "num_channels",
+    "image_size", "num_channels", "image_seq_length",
     "num_mel_bins", "d_model", "encoder_layers", "encoder_attention_heads", "encoder_ffn_dim",  # Whisper
     "max_source_positions"})
 _OPTIONAL_POSITIVE_INT = frozenset({"num_key_value_heads", "head_dim"})  # null: transformers derives it
 # Past any model's size (vocabularies reach 262144, widths 16384, MLPs 53248), and small enough that
 # what is built from the sizes before the weights are checked (rotary tables) stays small.
 MAX_SIZE = 1 << 20
-_POSITIVE_NUMBER = frozenset({"rms_norm_eps", "layer_norm_eps", "rope_theta", "mlp_ratio", "tokens_per_second"})
+_POSITIVE_NUMBER = frozenset({"rms_norm_eps", "layer_norm_eps", "rope_theta", "mlp_ratio", "tokens_per_second",
+                              "downsample_ratio"})
+# sizes transformers' InternVL config writes as a [height, width] pair (CLIP's as one integer)
+_SIZE_PAIR = frozenset({"image_size", "patch_size"})
 _TOKEN_ID = frozenset({"image_token_id", "image_token_index", "video_token_id", "audio_token_index"})
-_BOOL = frozenset({"tie_word_embeddings", "use_sliding_window", "multimodal_projector_bias"})
+_BOOL = frozenset({"tie_word_embeddings", "use_sliding_window", "multimodal_projector_bias",
+                   # InternViT's
+                   "attention_bias", "use_qk_norm", "use_mean_pooling", "use_absolute_position_embeddings"})
 _STRING = frozenset({"model_type", "hidden_act", "projector_hidden_act", "activation_function",
-                     "vision_feature_select_strategy"})
+                     "vision_feature_select_strategy", "norm_type"})
 _ROPE = ("rope_parameters", "rope_scaling")
 DTYPE_NAMES = frozenset({"auto", "float32", "float16", "bfloat16", "float64", "float", "half", "double",
                          "float8_e4m3fn", "float8_e5m2"})
@@ -169,6 +174,10 @@ def _check_section(d: dict, prefix: str, path: Path) -> None:
         return MmzooError(f"{path}: {prefix}{key}={_show(d[key])} {what}")
 
     for key, value in d.items():
+        if key in _SIZE_PAIR and isinstance(value, list):
+            if not (len(value) == 2 and all(_is_int(v) and 0 < v <= MAX_SIZE for v in value)):
+                raise bad(key, "must be a positive integer or a [height, width] pair of them")
+            continue
         if key in _POSITIVE_INT and not (_is_int(value) and value > 0):
             raise bad(key, "must be a positive integer")
         if key in _OPTIONAL_POSITIVE_INT and value is not None and not (_is_int(value) and value > 0):
@@ -195,8 +204,9 @@ def _check_section(d: dict, prefix: str, path: Path) -> None:
         raise MmzooError(f"{path}: {prefix}hidden_size={width} is not a multiple of num_attention_heads={heads} "
                          f"(and no head_dim is given)")
     for dim, n in (("embed_dim", "num_heads"), ("d_model", "encoder_attention_heads"), ("image_size", "patch_size")):
-        if d.get(dim) and d.get(n) and d[dim] % d[n]:
-            raise MmzooError(f"{path}: {prefix}{dim}={d[dim]} is not a multiple of {n}={d[n]}")
+        a, b = (v if isinstance(v, list) else [v, v] for v in (d.get(dim), d.get(n)))
+        if all(a) and all(b) and any(x % y for x, y in zip(a, b)):
+            raise MmzooError(f"{path}: {prefix}{dim}={_show(d[dim])} is not a multiple of {n}={_show(d[n])}")
     rope_head = head_dim or (width // heads if width and heads else None)
     for rope in _ROPE:
         params = d.get(rope)
@@ -294,9 +304,18 @@ def _feature_width(width: int, layers: Any) -> int:
     return int(width) * (len(layers) if isinstance(layers, (list, tuple, ListConfig)) else 1)
 
 
+def _reciprocal(ratio: Any, *, _node_) -> int:
+    """``1 / ratio`` as an integer (InternVL's ``downsample_ratio`` 0.5 -> the pixel shuffle's 2)."""
+    k = round(1 / ratio) if _positive_number(ratio) else 0
+    if k < 1 or not math.isclose(k * ratio, 1.0, rel_tol=1e-9):
+        raise MmzooError(f"{_node_._get_full_key(None)}: {ratio!r} is not 1 / k for a positive integer k")
+    return k
+
+
 def register_resolvers() -> None:
     """Register mmzoo's resolvers (idempotent; done when this module is imported)."""
-    for name, fn in (("hf", _hf), ("mmzoo.asset", _asset), ("mmzoo.feature_width", _feature_width)):
+    for name, fn in (("hf", _hf), ("mmzoo.asset", _asset), ("mmzoo.feature_width", _feature_width),
+                     ("mmzoo.reciprocal", _reciprocal)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 

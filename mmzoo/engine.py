@@ -362,10 +362,11 @@ def _check_layer_windows(config, lm, source: str, name: str) -> None:
     conf file that does not pass them (``lm.layer_types``, ``lm.sliding_window``) would build full
     attention where the checkpoint slides."""
     text = config.get_text_config()
-    kinds = getattr(text, "layer_types", None) or ["full_attention"] * len(lm.layers)
+    kinds = getattr(text, "layer_types", None) or []
     window = getattr(text, "sliding_window", None)
-    want = [window if kind == "sliding_attention" else None for kind in kinds]
-    got = [layer.attn.sliding_window for layer in lm.layers]
+    n = min(len(kinds), len(lm.layers))  # a depth set by hand (model.lm.num_layers) is the loader's to check
+    want = [window if kind == "sliding_attention" else None for kind in kinds[:n]]
+    got = [layer.attn.sliding_window for layer in lm.layers[:n]]
     if want != got:
         raise MmzooError(f"{source}: the text model's layers attend with sliding windows {want} (layer_types, "
                          f"sliding_window), but model={name}'s LM was built with {got}: its conf passes "

@@ -37,6 +37,8 @@ llava_ckpt = tiny_checkpoint("llava_ckpt", "llava",
 llava_qwen2_ckpt = tiny_checkpoint("llava_qwen2_ckpt", "llava",
                                    "A tiny Llava whose text model is Qwen2 (LLaVA-Interleave / OneVision style).",
                                    text_model_type="qwen2")
+internvl_ckpt = tiny_checkpoint("internvl_ckpt", "internvl", "A random tiny InternVLForConditionalGeneration "
+                               "(InternViT on 56 px tiles + pixel shuffle + Qwen2).")
 qwen2_audio_ckpt = tiny_checkpoint("qwen2_audio_ckpt", "qwen2_audio", "A random tiny "
                                    "Qwen2AudioForConditionalGeneration (Whisper encoder + projector + Qwen2).")
 

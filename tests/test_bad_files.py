@@ -81,7 +81,7 @@ CHECKPOINTS = {
                             r"checkpoint shard .*ckpt/model-00002-of-00002\.safetensors listed in "
                             r"model\.safetensors\.index\.json does not exist"),
     "unsupported_architecture": (_architecture, r"config\.json architecture 'LlamaForCausalLM' is not supported; "
-                                                r"the zoo has llava .*qwen2_vl \(Qwen2VLForConditionalGeneration\)"),
+                                                r"the zoo has .*llava .*qwen2_vl \(Qwen2VLForConditionalGeneration\)"),
 }
 
 
@@ -332,6 +332,28 @@ CONFIG_VALUES = {
                             CFG + r"transformers cannot read this config \(Field 'vision_feature_select_strategy' "
                                   r"expected one of \('default', 'full'\), got foo\)$"),
     },
+    "internvl": {
+        "tile_not_square": (_set("vision_config.image_size", [56, 112]),
+                            CFG + r"vision_config\.image_size=\[56, 112\]: model=internvl takes square tiles"),
+        "image_size_pair_of_three": (_set("vision_config.image_size", [56, 56, 56]),
+                                     CFG + r"vision_config\.image_size=\[56, 56, 56\] must be a positive integer or a "
+                                           r"\[height, width\] pair of them$"),
+        "downsample_ratio_not_a_reciprocal": (_set("downsample_ratio", 0.3),
+                                              r"model\.adapter\.scale_factor: 0\.3 is not 1 / k for a positive "
+                                              r"integer k"),
+        "feature_layer_list": (_set("vision_feature_layer", [-1, -2]),
+                               CFG + r"vision_feature_layer=\[-1, -2\]: InternVL reads one hidden layer"),
+        "select_strategy_full": (_set("vision_feature_select_strategy", "full"),
+                                 CFG + r"vision_feature_select_strategy='full': InternVL drops the class token"),
+        "norm_type_unknown": (_set("vision_config.norm_type", "batch_norm"),
+                              r"norm_type='batch_norm'; expected one of \['layer_norm', 'rms_norm'\]"),
+        "tile_of_other_tokens_than_the_processor": (_set("vision_config.image_size", 112),
+                                                    r"the processor's image_seq_length=4, but a tile gives 16 tokens "
+                                                    r"\(\(image_size / patch_size / scale_factor\)\^2 = "
+                                                    r"\(112 / 14 / 2\)\^2\)$"),
+        "final_norm_missing": (_set("vision_config.use_mean_pooling", False),
+                               r"missing .*towers\.vision\.encoder\.post_norm\.weight"),
+    },
     "qwen2_audio": {
         "tie_word_embeddings_string": (_set("tie_word_embeddings", "yes"),
                                        CFG + r'tie_word_embeddings="yes" must be true or false$'),
@@ -365,7 +387,7 @@ def test_bad_config_value(tiny_checkpoints, tmp_path, family, case):
         mmzoo.load(ckpt, executor="eager")
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava", "qwen2_audio"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava", "internvl", "qwen2_audio"])
 def test_an_undamaged_copy_loads(tiny_checkpoints, tmp_path, family):
     """The control of the tables here: the copy and the JSON round trip alone break nothing."""
     ckpt = _damaged(tiny_checkpoints[family], tmp_path, _json_edit("config.json", lambda data: None))

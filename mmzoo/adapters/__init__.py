@@ -1,11 +1,13 @@
 """Adapters (projectors) between an encoder's features and the language model's embeddings.
 
 ``conf/adapter/*.yaml`` name these as their ``_target_``: ``PatchMerger`` (Qwen2-VL),
-``mlp_projector`` (Llava), ``AudioProjector`` (Qwen2-Audio).
+``mlp_projector`` (Llava), ``AudioProjector`` (Qwen2-Audio), ``pixel_shuffle_projector`` (InternVL: the shared
+:class:`PixelShuffle` with a LayerNorm and an MLP).
 """
 
 from mmzoo.adapters.audio_projector import AudioProjector
 from mmzoo.adapters.mlp_projector import mlp_projector
 from mmzoo.adapters.patch_merger import PatchMerger
+from mmzoo.adapters.pixel_shuffle import PixelShuffle, pixel_shuffle, pixel_shuffle_projector
 
-__all__ = ["PatchMerger", "mlp_projector", "AudioProjector"]
+__all__ = ["PatchMerger", "mlp_projector", "AudioProjector", "PixelShuffle", "pixel_shuffle", "pixel_shuffle_projector"]

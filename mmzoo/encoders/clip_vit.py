@@ -7,17 +7,21 @@ sequence is normalized once (``pre_layrnorm``) before pre-LN blocks with quick-G
 (Liu et al., 2023, arXiv:2304.08485) feeds the projector the hidden state of one block (by
 default the second to last, ``vision_feature_layer=-2``) without the class token, so the blocks
 past the deepest selected one, and CLIP's ``post_layernorm``, are never built.
+
+The same module, parametrized, is InternViT (:func:`mmzoo.encoders.intern_vit`): a patch
+embedding with a bias, no pre-norm, layer-scaled blocks with LayerNorm or RMSNorm, optional q/k
+norms, and a final LayerNorm on the last block's output when that is the layer read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from mmzoo.encoders._base import Encoder
-from mmzoo.layers import layer_norm, vit_block
+from mmzoo.layers import MLP, layer_norm, vit_block
 
 
 def resolve_feature_layers(layers: int | Sequence[int], num_layers: int) -> list[int]:
@@ -53,12 +57,23 @@ class ClipVisionEncoder(Encoder):
             channels (Llava: one, or several for a list ``vision_feature_layer``).
         keep_cls: keep the class token's row (Llava's ``full`` strategy) or drop it (``default``).
         attn_fn: the attention backend for every block.
-        norm_eps: LayerNorm epsilon.
+        norm_eps: the norms' epsilon.
+        patch_bias: a bias on the patch embedding (InternViT's; CLIP's has none).
+        pre_norm: a LayerNorm over the embeddings before the blocks (CLIP's ``pre_layrnorm``).
+        absolute_positions: learned absolute positions added to the embeddings.
+        post_norm: a LayerNorm over the features read (InternViT's final ``layernorm``, which
+            transformers applies to the last block's output only): needs ``feature_layers == [depth]``.
+        norm_layer, qkv_bias, qk_norm_layer, scale_layer: each block's norms, q/k/v biases, q/k
+            norms and layer scales (:func:`~mmzoo.layers.vit_block`): CLIP's by default.
     """
 
     def __init__(self, *, image_size: int, patch_size: int, in_channels: int, embed_dim: int, depth: int,
                  num_heads: int, intermediate_dim: int, act: str, feature_layers: Sequence[int], keep_cls: bool,
-                 attn_fn, norm_eps: float = 1e-5):
+                 attn_fn, norm_eps: float = 1e-5, patch_bias: bool = False, pre_norm: bool = True,
+                 absolute_positions: bool = True, post_norm: bool = False,
+                 norm_layer: Callable[[int, float], nn.Module] = layer_norm, qkv_bias: bool = True,
+                 qk_norm_layer: Callable[[int], nn.Module] | None = None,
+                 scale_layer: Callable[[int], nn.Module] | None = None):
         super().__init__()
         if image_size % patch_size:
             raise ValueError(f"image_size={image_size} is not a multiple of patch_size={patch_size}")
@@ -66,18 +81,24 @@ class ClipVisionEncoder(Encoder):
             raise ValueError(f"vision embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
         if not feature_layers or not all(0 <= i <= depth for i in feature_layers):
             raise ValueError(f"feature_layers {list(feature_layers)} must be non-empty indices in [0, depth={depth}]")
+        if post_norm and list(feature_layers) != [depth]:
+            raise ValueError(f"post_norm applies to the last block's output, but feature_layers={list(feature_layers)} "
+                             f"with depth={depth}")
         self.image_size, self.patch_size = image_size, patch_size
         self.num_patches = (image_size // patch_size) ** 2
         self.feature_layers, self.keep_cls = list(feature_layers), keep_cls
-        self.patch_embed = nn.Conv2d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size, bias=False)
+        self.patch_embed = nn.Conv2d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size,
+                                     bias=patch_bias)
         self.class_embedding = nn.Parameter(torch.zeros(embed_dim))
-        self.position_embedding = nn.Embedding(self.num_patches + 1, embed_dim)
-        self.pre_norm = layer_norm(embed_dim, norm_eps)
+        self.position_embedding = nn.Embedding(self.num_patches + 1, embed_dim) if absolute_positions else None
+        self.pre_norm = layer_norm(embed_dim, norm_eps) if pre_norm else None
         self.blocks = nn.ModuleList(
             vit_block(dim=embed_dim, num_heads=num_heads, hidden_dim=intermediate_dim, act=act, attn_fn=attn_fn,
-                      layer_idx=i, norm_eps=norm_eps)
+                      layer_idx=i, norm_eps=norm_eps, norm_layer=norm_layer, mlp_layer=MLP, qkv_bias=qkv_bias,
+                      qk_norm_layer=qk_norm_layer, scale_layer=scale_layer)
             for i in range(depth)
         )
+        self.post_norm = layer_norm(embed_dim, norm_eps) if post_norm else None
         self.embed_dim = embed_dim
 
     @property
@@ -101,12 +122,17 @@ class ClipVisionEncoder(Encoder):
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))  # [n, e, h, w]
         x = x.flatten(2).transpose(1, 2)  # [n, h * w, e], row-major patches
         cls = self.class_embedding.to(x.dtype).expand(n, 1, -1)  # [n, 1, e]
-        x = torch.cat([cls, x], dim=1) + self.position_embedding.weight  # [n, 1 + h * w, e]
-        x = self.pre_norm(x)
+        x = torch.cat([cls, x], dim=1)  # [n, 1 + h * w, e]
+        if self.position_embedding is not None:
+            x = x + self.position_embedding.weight
+        if self.pre_norm is not None:
+            x = self.pre_norm(x)
         states = {0: x}
         for i, block in enumerate(self.blocks, start=1):
             x = block(x)
             states[i] = x
+        if self.post_norm is not None:  # the one feature layer is the last block's (checked at construction)
+            states[len(self.blocks)] = self.post_norm(x)
         start = 0 if self.keep_cls else 1
         out = torch.cat([states[i][:, start:] for i in self.feature_layers], dim=-1)  # [n, t, e * layers]
         return out.flatten(0, 1)  # [n * t, e * layers]

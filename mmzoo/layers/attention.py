@@ -30,10 +30,13 @@ class Attention(nn.Module):
         layer_idx: index of this layer in its stack (selects its slot in a KV cache).
         sliding_window: causal attention over the last this many keys up to each query's own
             (a sliding-window layer of Qwen2, Gemma 3); None: every earlier key.
+        q_norm, k_norm: norms of the queries and keys over their full width (``[b, s, heads * head_dim]``,
+            before the heads are split: InternViT-6B's q/k norm); None: none.
     """
 
     def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, attn_fn,
-                 causal: bool, qkv_bias: bool, out_bias: bool, layer_idx: int = 0, sliding_window: int | None = None):
+                 causal: bool, qkv_bias: bool, out_bias: bool, layer_idx: int = 0, sliding_window: int | None = None,
+                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
         super().__init__()
         attn_fn.check_shape(head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
         if sliding_window is not None and (not causal or sliding_window <= 0):
@@ -50,6 +53,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=out_bias)
         self.qkv_proj = None  # set by fuse_projections()
+        self.q_norm, self.k_norm = q_norm, k_norm
 
     def fuse_projections(self) -> None:
         """Replace ``q_proj / k_proj / v_proj`` by one ``qkv_proj`` holding their weights (and
@@ -84,6 +88,10 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split([hq, hkv, hkv], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q = self.q_norm(q)  # [b, s, hq * d]
+        if self.k_norm is not None:
+            k = self.k_norm(k)  # [b, s, hkv * d]
         q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [b, hq, s, d]
         k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [b, hkv, s, d]
         v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)

@@ -103,15 +103,15 @@ class DecoderLM(nn.Module):
 
 def layer_windows(num_layers: int, layer_types: list[str] | None, sliding_window: int | None) -> list[int | None]:
     """Each layer's sliding window (None: full attention) from transformers' ``layer_types``."""
-    if layer_types is None:
-        return [None] * num_layers
-    kinds = list(layer_types)
-    if len(kinds) != num_layers:
-        raise ValueError(f"layer_types has {len(kinds)} entries for num_layers={num_layers}")
+    kinds = list(layer_types or [])
     bad = sorted({k for k in kinds if k not in ("full_attention", "sliding_attention")})
     if bad:
         raise ValueError(f"layer_types holds {bad}: mmzoo's LMs have full_attention and sliding_attention layers")
-    if "sliding_attention" in kinds and (not isinstance(sliding_window, int) or sliding_window <= 0):
+    if "sliding_attention" not in kinds:  # all full (a depth set by hand need not restate them)
+        return [None] * num_layers
+    if len(kinds) != num_layers:
+        raise ValueError(f"layer_types has {len(kinds)} entries for num_layers={num_layers}")
+    if not isinstance(sliding_window, int) or sliding_window <= 0:
         raise ValueError(f"layer_types has sliding_attention layers but sliding_window={sliding_window!r} is not a "
                          f"positive integer")
     return [sliding_window if k == "sliding_attention" else None for k in kinds]

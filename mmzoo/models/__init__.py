@@ -2,10 +2,11 @@
 
 from mmzoo.models.composition import MultimodalLM, Tower
 from mmzoo.models.family import TP_PLAN, Family, Media, extend_tp_plan
+from mmzoo.models.internvl import InternVL
 from mmzoo.models.llava import Llava
 from mmzoo.models.qwen2_5_vl import Qwen2_5_VL
 from mmzoo.models.qwen2_audio import Qwen2Audio
 from mmzoo.models.qwen2_vl import Qwen2VL
 
 __all__ = ["MultimodalLM", "Tower", "Family", "Media", "TP_PLAN", "extend_tp_plan", "Qwen2VL", "Qwen2_5_VL", "Llava",
-           "Qwen2Audio"]
+           "InternVL", "Qwen2Audio"]

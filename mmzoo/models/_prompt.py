@@ -32,14 +32,15 @@ def expand_runs(ids: np.ndarray, token: int, counts: list[int], *, what: str, no
     return np.concatenate(out + [ids[last:]])
 
 
-def render_prompt(processor, request: Request, kinds: list[str], placeholders: dict[str, tuple[str, list[int]]]):
-    """The chat template over the request's conversation, with each item's placeholder expanded to
-    its count; returns the token ids. The conversation is ``request.messages`` (its media parts
+def render_prompt(processor, request: Request, kinds: list[str], placeholders: dict[str, tuple[str, list[str]]]):
+    """The chat template over the request's conversation, with each item's placeholder replaced by
+    its expansion; returns the token ids. The conversation is ``request.messages`` (its media parts
     standing for the items in order), or one user turn: the items of ``kinds`` in order, then
     ``request.prompt``.
 
-    ``placeholders`` maps a kind to ``(placeholder text, per-item counts)``; a text that already
-    holds a placeholder string is refused, since the items could no longer be told apart.
+    ``placeholders`` maps a kind to ``(placeholder text, per-item expansions)`` (the placeholder
+    repeated to the item's count, :meth:`~mmzoo.models.Family.expand_placeholder`); a text that
+    already holds a placeholder string is refused, since the items could no longer be told apart.
     """
     if request.messages is not None:
         messages = request.messages
@@ -56,12 +57,12 @@ def render_prompt(processor, request: Request, kinds: list[str], placeholders: d
                                  f"{kind} given in {kind}s (or use prompt_token_ids)")
     text = _apply_chat_template(processor, messages)
     for kind in kinds:
-        pad, counts = placeholders[kind]
+        pad, expansions = placeholders[kind]
         pieces = text.split(pad)
-        if len(pieces) - 1 != len(counts):
+        if len(pieces) - 1 != len(expansions):
             raise MmzooError(f"the chat template rendered {len(pieces) - 1} {pad!r} placeholders for "
-                             f"{len(counts)} {kind}s")
-        text = pieces[0] + "".join(pad * n + rest for n, rest in zip(counts, pieces[1:]))
+                             f"{len(expansions)} {kind}s")
+        text = pieces[0] + "".join(item + rest for item, rest in zip(expansions, pieces[1:]))
     return np.asarray(processor.tokenizer(text)["input_ids"], dtype=np.int64)
 
 

@@ -126,6 +126,11 @@ class Family:
         """The placeholder text the chat template renders for one ``kind`` item and its token id."""
         return getattr(processor, f"{kind}_token"), int(getattr(self, f"{kind}_token_id"))
 
+    def expand_placeholder(self, kind: str, count: int, processor) -> str:
+        """The text one ``kind`` item's rendered placeholder becomes in the prompt: ``count``
+        placeholders (InternVL frames them with ``<img>`` ... ``</img>``)."""
+        return self.placeholder(kind, processor)[0] * count
+
     def raw_media(self, kind: str, items: list, processor) -> Media:
         """Raw ``kind`` items (paths, arrays) -> tower inputs and placeholder counts; raise
         :class:`MmzooError` naming the item for anything unreadable."""
@@ -276,7 +281,9 @@ class Family:
                 input_ids = expand_runs(input_ids, tokens[kind][1], counts[kind], what=kind, note=note)
         else:
             input_ids = render_prompt(processor, request, list(self.modalities),
-                                      {kind: (tokens[kind][0], counts[kind]) for kind in self.modalities})
+                                      {kind: (tokens[kind][0], [self.expand_placeholder(kind, n, processor)
+                                                                for n in counts[kind]])
+                                       for kind in self.modalities})
         mm_index = np.full(len(input_ids), -1, dtype=np.int64)
         calls: list[TowerInput] = []
         offset = 0

@@ -1,0 +1,206 @@
+"""InternVL's own part: images as tiles, ``<img>`` + one placeholder per token of each tile + ``</img>``.
+
+Chen et al., 2024, "InternVL: Scaling up Vision Foundation Models and Aligning for Generic
+Visual-Linguistic Tasks" (arXiv:2312.14238); InternVL3: Zhu et al., 2025 (arXiv:2504.10479).
+Checkpoints: ``InternVLForConditionalGeneration`` (the transformers "-hf" format); the modules are
+components (``conf/model/internvl.yaml``: the ``intern_vit`` encoder, the ``pixel_shuffle``
+adapter, the ``qwen2`` LM).
+
+The image processor (transformers' ``GotOcr2ImageProcessor`` with ``crop_to_patches``, as
+``InternVLProcessor`` calls it) resizes each image onto the grid of 1 to ``max_patches`` tiles
+closest to its aspect ratio and cuts it, adding a thumbnail of the whole image when there are
+several tiles. Each tile is one tower item of a fixed size (like Llava's images), giving
+``(image_size / patch_size / k)^2`` LM tokens after the pixel shuffle; the tiles of all the
+request's images go through one tower call. In the prompt, each image's placeholder becomes
+``<img>`` + its tiles' tokens + ``</img>`` (:meth:`InternVL.expand_placeholder`). Token prompts
+(``prompt_token_ids``) carry the ``<img>`` / ``</img>`` tokens themselves around one placeholder
+per image. Precomputed ``image_embeds`` come with ``image_grid_thw`` rows ``[tiles, s, s]``
+(``s * s`` tokens per tile), which is what ``mmzoo.encode`` writes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+from mmzoo.buckets import doubling
+from mmzoo.encoders import resolve_feature_layers, square_side
+from mmzoo.errors import MmzooError
+from mmzoo.models._embeds import as_embeds, as_grid
+from mmzoo.models._media import load_images
+from mmzoo.models.family import Family, Media, extend_tp_plan, lm_key
+from mmzoo.types import TowerInput
+
+# transformers' InternVLVisionModel names -> the ClipVisionEncoder's (after the tower prefix is stripped)
+_VIT_RENAMES = [
+    (r"^embeddings\.patch_embeddings\.projection\.", "patch_embed."),
+    (r"^embeddings\.cls_token$", "class_embedding"),
+    (r"^embeddings\.position_embeddings$", "position_embedding.weight"),
+    (r"^layernorm\.", "post_norm."),
+    (r"^encoder\.layer\.", "blocks."),
+    (r"\.attention\.projection_layer\.", ".attn.o_proj."),
+    (r"\.attention\.", ".attn."),
+    (r"\.layernorm_before\.", ".norm1."),
+    (r"\.layernorm_after\.", ".norm2."),
+    (r"\.lambda_1$", ".scale1.weight"),
+    (r"\.lambda_2$", ".scale2.weight"),
+]
+# the projector: InternVLMultiModalProjector -> PixelShuffle(norm, proj = MLP)
+_PROJECTOR_RENAMES = {"layer_norm.": "norm.", "linear_1.": "proj.fc1.", "linear_2.": "proj.fc2."}
+
+
+class InternVL(Family):
+    """InternVL: images cut into fixed-size tiles (plus a thumbnail), each through InternViT and the
+    pixel-shuffle projector.
+
+    Args:
+        name: the conf option name.
+        image_token_id: the ``<IMG_CONTEXT>`` placeholder token (``config.json``).
+        image_size, patch_size: a tile's side and a patch's, in pixels (an int or a square pair).
+        in_channels: the tiles' channels.
+        scale_factor: the pixel shuffle's ``k`` (``1 / downsample_ratio``).
+        num_layers, feature_layer: the ViT's depth and the hidden state read: the checkpoint's blocks
+            past it are never computed, so they are not built or loaded.
+        mean_pooling: ``use_mean_pooling``; without it the checkpoint has the ViT's final LayerNorm,
+            which is computed only when ``feature_layer`` is -1 (as transformers reads it).
+    """
+
+    tower = "vision"
+    modalities = ("image",)
+    hf_class = "InternVLForConditionalGeneration"
+    tiny_checkpoint = "make_tiny_internvl"
+    config_sections = ("text_config", "vision_config")
+    # the projector's MLP under the adapter's own names (proj.*, not *.mlp.*), split as the MLPs are
+    tp_plan = extend_tp_plan({"towers.*.adapter.proj.fc1.*": "colwise", "towers.*.adapter.proj.fc2.*": "rowwise"})
+
+    def __init__(self, *, name: str, image_token_id: int, image_size, patch_size, in_channels: int,
+                 scale_factor: int, num_layers: int, feature_layer: int | list[int], mean_pooling: bool):
+        super().__init__(name=name)
+        self.image_token_id = int(image_token_id)
+        self.image_size, self.in_channels = square_side(image_size, "image_size"), int(in_channels)
+        self.patch_size, self.scale_factor = square_side(patch_size, "patch_size"), int(scale_factor)
+        self.tile_side = self.image_size // self.patch_size // self.scale_factor  # tokens per tile side
+        self.tokens_per_tile = self.tile_side ** 2
+        self.num_layers = int(num_layers)
+        self.depth = max(resolve_feature_layers(feature_layer, num_layers))
+        self.post_norm = not mean_pooling and feature_layer == -1
+
+    # -- what the checkpoint must hold -----------------------------------------------------------
+    @classmethod
+    def check_config(cls, config, raw: dict, source: str) -> None:
+        """The base's checks, an InternViT tower, one feature layer and the class token dropped (the
+        pixel shuffle needs a square grid of patches), as transformers' ``get_image_features``."""
+        super().check_config(config, raw, source)
+        kind = config.vision_config.model_type
+        if kind != "internvl_vision":
+            raise MmzooError(f"{source}: vision_config.model_type={kind!r}: model=internvl's vision tower is "
+                             f"InternViT (internvl_vision)")
+        for key in ("image_size", "patch_size"):
+            value = list(getattr(config.vision_config, key))  # transformers' (height, width)
+            if value[0] != value[-1]:
+                raise MmzooError(f"{source}: vision_config.{key}={value}: model=internvl takes square tiles and "
+                                 f"patches (height == width)")
+        if not isinstance(config.vision_feature_layer, int):
+            raise MmzooError(f"{source}: vision_feature_layer={config.vision_feature_layer!r}: InternVL reads one "
+                             f"hidden layer (an integer)")
+        if config.vision_feature_select_strategy != "default":
+            raise MmzooError(f"{source}: vision_feature_select_strategy={config.vision_feature_select_strategy!r}: "
+                             f"InternVL drops the class token ('default'); the pixel shuffle needs a square grid of "
+                             f"patches")
+
+    def check_processor(self, processor, *, vocab_size: int, source) -> None:
+        """The base's checks, and an InternVL processor: its ``<img>`` / ``</img>`` tokens, and its
+        ``image_seq_length`` equal to the tokens a tile gives."""
+        super().check_processor(processor, vocab_size=vocab_size, source=source)
+        for attr in ("start_image_token", "end_image_token"):
+            if not isinstance(getattr(processor, attr, None), str):
+                raise MmzooError(f"the processor of {source} ({type(processor).__name__}) has no {attr}: "
+                                 f"model=internvl frames each image's tokens with InternVLProcessor's")
+        per = getattr(processor, "image_seq_length", None)
+        if per != self.tokens_per_tile:
+            raise MmzooError(f"{source}: the processor's image_seq_length={per!r}, but a tile gives "
+                             f"{self.tokens_per_tile} tokens ((image_size / patch_size / scale_factor)^2 = "
+                             f"({self.image_size} / {self.patch_size} / {self.scale_factor})^2)")
+
+    # -- media -----------------------------------------------------------------------------------
+    def expand_placeholder(self, kind: str, count: int, processor) -> str:
+        """``<img>`` + ``count`` placeholders + ``</img>``, as ``InternVLProcessor`` writes an image."""
+        pad, _ = self.placeholder(kind, processor)
+        return f"{processor.start_image_token}{pad * count}{processor.end_image_token}"
+
+    def raw_media(self, kind: str, items: list, processor) -> Media:
+        """The checkpoint's image processor with InternVLProcessor's defaults (``crop_to_patches``):
+        each image's tiles (and thumbnail), one tower call for all the request's tiles."""
+        out = processor.image_processor(images=load_images(items), **processor.images_kwargs, return_tensors="np")
+        pixels, tiles = np.asarray(out["pixel_values"], np.float32), [int(n) for n in out["num_patches"]]
+        want = (self.in_channels, self.image_size, self.image_size)
+        if tuple(pixels.shape[1:]) != want:
+            raise MmzooError(f"the image processor gives {list(pixels.shape[1:])} pixels per tile but the vision "
+                             f"tower takes {list(want)}")
+        s = self.tile_side
+        call = TowerInput(tower=self.tower, inputs={"pixel_values": pixels}, num_embeds=sum(tiles) * s * s)
+        return Media(counts=[n * s * s for n in tiles], calls=[call], grid=np.array([[n, s, s] for n in tiles]))
+
+    def precomputed(self, kind: str, embeds, layout, hidden_size: int) -> Media:
+        """``image_embeds [sum(tiles) * s * s, hidden]`` with ``image_grid_thw`` rows ``[tiles, s, s]``."""
+        if layout is None:
+            raise MmzooError(f"image_embeds needs image_grid_thw ([tiles, {self.tile_side}, {self.tile_side}] per "
+                             f"image: model={self.name} places each image by its tiles)")
+        grid = as_grid(layout, "image_grid_thw")
+        bad = np.flatnonzero((grid[:, 1] != self.tile_side) | (grid[:, 2] != self.tile_side))
+        if len(bad):
+            raise MmzooError(f"image_grid_thw[{bad[0]}] = {grid[bad[0]].tolist()}: each tile gives "
+                             f"{self.tile_side}x{self.tile_side} tokens ([tiles, {self.tile_side}, {self.tile_side}])")
+        emb = as_embeds(embeds, "image_embeds", hidden=hidden_size)
+        counts = [int(n) for n in grid.prod(axis=1)]
+        if emb.shape[0] != sum(counts):
+            raise MmzooError(f"image_embeds has {emb.shape[0]} rows but image_grid_thw {grid.tolist()} implies "
+                             f"{sum(counts)} (tiles x {self.tokens_per_tile} tokens per tile)")
+        return Media(counts=counts, grid=grid,
+                     calls=[TowerInput(tower=self.tower, inputs={}, num_embeds=emb.shape[0], embeds=emb)])
+
+    # -- weights ---------------------------------------------------------------------------------
+    def convert_weights(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' keys (v5 ``model.vision_tower.* / model.multi_modal_projector.* /
+        model.language_model.*`` or the hub's ``vision_tower.* / multi_modal_projector.* /
+        language_model.model.*``, what ``save_pretrained`` writes) -> the composition's: the class
+        token and the positions as CLIP's shapes, the layer scales as each block's ``scale1`` /
+        ``scale2``. The blocks past the feature layer and a final LayerNorm that is not read are
+        dropped (a block past ``vision_config.num_hidden_layers`` is kept, for the strict loader to
+        report); so is the unused ``mask_token``."""
+        out: dict[str, torch.Tensor] = {}
+        for key, value in hf.items():
+            k = re.sub(r"^model\.(vision_tower|multi_modal_projector)\.", r"\1.", key)
+            if k.startswith("vision_tower."):
+                k = k[len("vision_tower."):]
+                if k == "embeddings.mask_token" or (k.startswith("layernorm.") and not self.post_norm):
+                    continue
+                m = re.match(r"encoder\.layer\.(\d+)\.", k)
+                if m and self.depth <= int(m.group(1)) < self.num_layers:
+                    continue
+                for pattern, repl in _VIT_RENAMES:
+                    k = re.sub(pattern, repl, k)
+                if k in ("class_embedding", "position_embedding.weight"):
+                    value = value.reshape(value.shape[-2:] if k.startswith("position") else value.shape[-1:])
+                out["towers.vision.encoder." + k] = value
+            elif k.startswith("multi_modal_projector."):
+                k = k[len("multi_modal_projector."):]
+                for old, new in _PROJECTOR_RENAMES.items():
+                    k = new + k[len(old):] if k.startswith(old) else k
+                out["towers.vision.adapter." + k] = value
+            else:
+                out[lm_key(key) or key] = value  # anything else is reported as unexpected by the strict loader
+        return out
+
+    # -- the executor's -------------------------------------------------------------------------
+    def encoder_buckets(self, *, max_model_len: int, max_media_rows: int) -> list[int]:
+        """Tiles per call: doubling up to as many tiles as a ``max_model_len`` prompt holds and as
+        the executor's media buffer of ``max_media_rows`` embeddings takes."""
+        return doubling(1, max(1, min(max_model_len, max_media_rows) // self.tokens_per_tile))
+
+    def dummy_media(self, rows: int) -> TowerInput:
+        """``rows`` blank tiles."""
+        pixels = np.zeros((rows, self.in_channels, self.image_size, self.image_size), np.float32)
+        return TowerInput(tower=self.tower, inputs={"pixel_values": pixels}, num_embeds=rows * self.tokens_per_tile)

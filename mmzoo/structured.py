@@ -24,9 +24,6 @@ import numpy as np
 
 from mmzoo.errors import MmzooError
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")  # what StructuredOutputs constrains by, one per request
-
-
 def words(vocab_size: int) -> int:
     """int32 words of one bitmask row over ``vocab_size`` tokens."""
     return (vocab_size + 31) // 32
@@ -83,9 +80,9 @@ class Grammars:
                 grammar = grammar_from(kind, value)
         except ValueError as e:  # json.JSONDecodeError too
             raise MmzooError(f"{where}: {e}") from None
-        error = LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
-        if error:
-            raise MmzooError(f"{where}: {error.strip()}")
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        if failed:  # warnings alone (a schema keyword llguidance ignores) do not refuse the request
+            raise MmzooError(f"{where}: {messages[0].strip()}")
         return grammar
 
     def matcher(self, grammar: str) -> "Guide":

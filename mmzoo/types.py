@@ -31,6 +31,9 @@ MAX_N = 1 << 16  # a schema bound; the engine refuses more samples than its KV-c
 MAX_TEMPERATURE = 1e4  # past it float32 logits / temperature underflow to a uniform draw
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # what StructuredOutputs constrains by
+
+
 @pydantic_dataclass(config=ConfigDict(extra="forbid"))
 class StructuredOutputs:
     """What a request's output must match (vLLM's ``StructuredOutputsParams``): exactly one of a JSON
@@ -47,7 +50,7 @@ class StructuredOutputs:
     disable_any_whitespace: Annotated[bool, Strict()] = False
 
     def __post_init__(self):
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object; got "
                              f"{', '.join(given) or 'none'}")
@@ -55,7 +58,7 @@ class StructuredOutputs:
     @property
     def kind(self) -> str:
         """The one constraint given: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False))
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @pydantic_dataclass(config=ConfigDict(arbitrary_types_allowed=True, validate_assignment=True))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmzoo.encoders import square_side
 from mmzoo.layers import MLP
 
 
@@ -67,19 +68,6 @@ class PixelShuffle(nn.Module):
         return self.proj(x)
 
 
-def _side(value, name: str) -> int:
-    """A square size in pixels from an int or transformers' ``[height, width]`` pair."""
-    try:
-        items = [value] if isinstance(value, int) else list(value)
-    except TypeError:
-        items = []
-    if not 1 <= len(items) <= 2 or not all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in items):
-        raise ValueError(f"{name}={value!r} must be a positive integer or a [height, width] pair of them")
-    if len(set(items)) != 1:
-        raise ValueError(f"{name}={items}: only square sizes are supported (height == width)")
-    return items[0]
-
-
 def pixel_shuffle_projector(*, in_dim: int, out_dim: int, image_size, patch_size, scale_factor: int = 2,
                             act: str = "gelu", bias: bool = True, norm_eps: float = 1e-5) -> PixelShuffle:
     """Component builder (``conf/adapter/pixel_shuffle.yaml``): InternVL's projector
@@ -95,7 +83,7 @@ def pixel_shuffle_projector(*, in_dim: int, out_dim: int, image_size, patch_size
     Raises:
         ValueError: sizes that are not square, or a patch grid ``k`` does not divide.
     """
-    image, patch = _side(image_size, "image_size"), _side(patch_size, "patch_size")
+    image, patch = square_side(image_size, "image_size"), square_side(patch_size, "patch_size")
     if image % patch:
         raise ValueError(f"image_size={image} is not a multiple of patch_size={patch}")
     wide = in_dim * scale_factor * scale_factor

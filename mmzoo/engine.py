@@ -34,6 +34,7 @@ from mmzoo.encoders import Encoder
 from mmzoo.errors import MmzooError
 from mmzoo.executor import Drain, Executor, generate
 from mmzoo.limits import Limits, check_request, prompt_chars_bound
+from mmzoo.lms.decoder import layer_windows
 from mmzoo.models import Family, MultimodalLM, Tower
 from mmzoo.models._prompt import media_from_messages
 from mmzoo.structured import Grammars
@@ -363,9 +364,8 @@ def _check_layer_windows(config, lm, source: str, name: str) -> None:
     attention where the checkpoint slides."""
     text = config.get_text_config()
     kinds = getattr(text, "layer_types", None) or []
-    window = getattr(text, "sliding_window", None)
     n = min(len(kinds), len(lm.layers))  # a depth set by hand (model.lm.num_layers) is the loader's to check
-    want = [window if kind == "sliding_attention" else None for kind in kinds[:n]]
+    want = layer_windows(len(kinds), kinds, getattr(text, "sliding_window", None))[:n]
     got = [layer.attn.sliding_window for layer in lm.layers[:n]]
     if want != got:
         raise MmzooError(f"{source}: the text model's layers attend with sliding windows {want} (layer_types, "

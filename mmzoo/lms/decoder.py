@@ -101,10 +101,13 @@ class DecoderLM(nn.Module):
         return self.lm_head(self.norm(hidden)).float()
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # the layer_types mmzoo's LMs build
+
+
 def layer_windows(num_layers: int, layer_types: list[str] | None, sliding_window: int | None) -> list[int | None]:
     """Each layer's sliding window (None: full attention) from transformers' ``layer_types``."""
     kinds = list(layer_types or [])
-    bad = sorted({k for k in kinds if k not in ("full_attention", "sliding_attention")})
+    bad = sorted({k for k in kinds if k not in LAYER_TYPES})
     if bad:
         raise ValueError(f"layer_types holds {bad}: mmzoo's LMs have full_attention and sliding_attention layers")
     if "sliding_attention" not in kinds:  # all full (a depth set by hand need not restate them)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from mmzoo.errors import MmzooError
+from mmzoo.lms.decoder import LAYER_TYPES
 from mmzoo.models._prompt import check_chat_template, expand_runs, prepare_inputs_embeds, render_prompt
 from mmzoo.types import Prepared, Request, TowerInput
 
@@ -189,8 +190,7 @@ class Family:
                 raise MmzooError(f"{source} has no {name} (the {name.split('_')[0]} model's settings); transformers "
                                  f"would fill in the defaults of another model")
         text = config.get_text_config()
-        other = [i for i, kind in enumerate(getattr(text, "layer_types", None) or [])
-                 if kind not in ("full_attention", "sliding_attention")]
+        other = [i for i, kind in enumerate(getattr(text, "layer_types", None) or []) if kind not in LAYER_TYPES]
         if other:
             raise MmzooError(f"{source}: the text model's layers {other} are {text.layer_types[other[0]]!r} "
                              f"(layer_types): mmzoo's LMs have full_attention and sliding_attention layers")

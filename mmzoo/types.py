@@ -50,15 +50,17 @@ class StructuredOutputs:
     disable_any_whitespace: Annotated[bool, Strict()] = False
 
     def __post_init__(self):
-        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
-            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object; got "
-                             f"{', '.join(given) or 'none'}")
+            raise ValueError(f"give exactly one of {', '.join(STRUCTURED_KINDS)}; got {', '.join(given) or 'none'}")
+
+    def _given(self) -> list[str]:
+        return [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
 
     @property
     def kind(self) -> str:
         """The one constraint given: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
-        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+        return self._given()[0]
 
 
 @pydantic_dataclass(config=ConfigDict(arbitrary_types_allowed=True, validate_assignment=True))

@@ -20,8 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from mmzoo.executor.steps import StepOut
-from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling
+from mmzoo.executor.steps import DecodeInputs, PrefillInputs, Sampling, StepOut
 from mmzoo.structured import words
 from mmzoo.types import Prepared, TowerInput
 

@@ -398,7 +398,7 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
         body.refuse_unsupported()
         body.stops()
         prompts = body.prompts()
-        prepared, texts = [], []
+        prepared, texts, shared = [], [], None  # shared: the request fields every prompt takes, read once
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if isinstance(prompt, str):
@@ -407,9 +407,10 @@ def create_app(engine, *, served_model_name: str, media_dir: str | None = None,
                 ids = await run_in_threadpool(engine.tokenize, prompt)
             else:
                 ids = prompt
+            shared = shared or (body.request_fields(), body.structured()[1])
+            fields, names = shared
             try:
-                prepared.append(await run_in_threadpool(prepare, {"prompt_token_ids": list(ids), **body.request_fields()},
-                                                        body.structured()[1]))
+                prepared.append(await run_in_threadpool(prepare, {"prompt_token_ids": list(ids), **fields}, names))
             except MmzooError as e:
                 raise BadRequest(f"{param}: {e}" if len(prompts) > 1 else str(e), param) from None
             texts.append(prompt if isinstance(prompt, str) else engine.decode(list(ids)))

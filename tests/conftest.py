@@ -39,6 +39,8 @@ llava_qwen2_ckpt = tiny_checkpoint("llava_qwen2_ckpt", "llava",
                                    text_model_type="qwen2")
 internvl_ckpt = tiny_checkpoint("internvl_ckpt", "internvl", "A random tiny InternVLForConditionalGeneration "
                                "(InternViT on 56 px tiles + pixel shuffle + Qwen2).")
+smolvlm_ckpt = tiny_checkpoint("smolvlm_ckpt", "smolvlm", "A random tiny SmolVLMForConditionalGeneration (SigLIP on 56 px "
+                              "tiles + pixel shuffle + linear + Llama).")
 qwen2_audio_ckpt = tiny_checkpoint("qwen2_audio_ckpt", "qwen2_audio", "A random tiny "
                                    "Qwen2AudioForConditionalGeneration (Whisper encoder + projector + Qwen2).")
 

@@ -87,5 +87,5 @@ def assert_refused(engine, cases, prompt: str, *, kind: str, files: list[str]) -
         with pytest.raises(MmzooError, match=match):
             engine.prepare(mmzoo.Request(**{"prompt": prompt, **kwargs}))
     pad = getattr(engine.config, f"{kind}_token_id")
-    with pytest.raises(MmzooError, match=rf"prompt_token_ids has 1 {kind} placeholder runs .* but 2 {kind}s"):
+    with pytest.raises(MmzooError, match=rf"prompt_token_ids has 1 {kind} placeholder.* but 2 {kind}s"):
         engine.prepare(mmzoo.Request(prompt_token_ids=[5, pad, 6], **{f"{kind}s": files[:2]}))

@@ -354,6 +354,17 @@ CONFIG_VALUES = {
         "final_norm_missing": (_set("vision_config.use_mean_pooling", False),
                                r"missing .*towers\.vision\.encoder\.post_norm\.weight"),
     },
+    "smolvlm": {
+        "vision_tower_not_smolvlm": (_set("vision_config.model_type", "siglip_vision_model"),
+                                     CFG + r"vision_config\.model_type='siglip_vision_model': model=smolvlm's vision "
+                                           r"tower is one of \['smolvlm_vision', 'idefics3_vision'\]$"),
+        "tile_not_square": (_set("vision_config.image_size", [56, 112]),
+                            CFG + r"vision_config\.image_size=\[56, 112\]: model=smolvlm takes square tiles"),
+        "tile_of_other_tokens_than_the_processor": (_set("vision_config.image_size", 112),
+                                                    r"the processor's image_seq_len=4, but a tile gives 16 tokens"),
+        "scale_factor_not_dividing_the_tile": (_set("scale_factor", 3),
+                                               r"pixel shuffle scale_factor=3 does not divide the 4 patches per side"),
+    },
     "qwen2_audio": {
         "tie_word_embeddings_string": (_set("tie_word_embeddings", "yes"),
                                        CFG + r'tie_word_embeddings="yes" must be true or false$'),
@@ -387,7 +398,7 @@ def test_bad_config_value(tiny_checkpoints, tmp_path, family, case):
         mmzoo.load(ckpt, executor="eager")
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava", "internvl", "qwen2_audio"])
+@pytest.mark.parametrize("family", sorted(CONFIG_VALUES))
 def test_an_undamaged_copy_loads(tiny_checkpoints, tmp_path, family):
     """The control of the tables here: the copy and the JSON round trip alone break nothing."""
     ckpt = _damaged(tiny_checkpoints[family], tmp_path, _json_edit("config.json", lambda data: None))

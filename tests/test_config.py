@@ -26,11 +26,14 @@ TINY = {
                  "intermediate_dim": 64},
     "intern_vit": {"image_size": [28, 28], "patch_size": 14, "embed_dim": 32, "num_layers": 2, "num_heads": 2,
                    "intermediate_dim": 64},
+    "siglip_vit": {"image_size": 28, "patch_size": 14, "embed_dim": 32, "num_layers": 2, "num_heads": 2,
+                   "intermediate_dim": 64},
     "whisper": {"num_mel_bins": 8, "embed_dim": 32, "depth": 1, "num_heads": 2, "ffn_dim": 64, "max_positions": 10},
     "patch_merger": {"context_dim": 32, "out_dim": 48},
     "mlp_projector": {"in_dim": 32, "out_dim": 48},
     "audio_projector": {"in_dim": 32, "out_dim": 48},
     "pixel_shuffle": {"in_dim": 32, "out_dim": 48, "image_size": 56, "patch_size": 14},
+    "pixel_shuffle_linear": {"in_dim": 32, "out_dim": 48, "image_size": 56, "patch_size": 14},
     **{lm: {"vocab_size": 64, "dim": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "intermediate_dim": 64}
        for lm in ("llama", "qwen2")},
 }
@@ -39,9 +42,11 @@ TINY = {
 def test_groups_have_the_expected_options():
     assert {"sdpa", "eager", "pallas"} <= set(config.options("attention"))
     assert {"eager", "xla"} <= set(config.options("executor"))
-    assert {"qwen2_vl", "llava", "qwen2_audio", "internvl"} <= set(config.options("model"))
-    assert set(config.options("encoder")) == {"qwen2_vl_vit", "qwen2_5_vl_vit", "clip_vit", "intern_vit", "whisper"}
-    assert set(config.options("adapter")) == {"patch_merger", "mlp_projector", "audio_projector", "pixel_shuffle"}
+    assert {"qwen2_vl", "llava", "qwen2_audio", "internvl", "smolvlm"} <= set(config.options("model"))
+    assert set(config.options("encoder")) == {"qwen2_vl_vit", "qwen2_5_vl_vit", "clip_vit", "intern_vit", "siglip_vit",
+                                              "whisper"}
+    assert set(config.options("adapter")) == {"patch_merger", "mlp_projector", "audio_projector", "pixel_shuffle",
+                                              "pixel_shuffle_linear"}
     assert set(config.options("lm")) == {"llama", "qwen2"}
 
 

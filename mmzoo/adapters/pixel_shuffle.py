@@ -83,10 +83,32 @@ def pixel_shuffle_projector(*, in_dim: int, out_dim: int, image_size, patch_size
     Raises:
         ValueError: sizes that are not square, or a patch grid ``k`` does not divide.
     """
+    side, wide = _side(image_size, patch_size), in_dim * scale_factor * scale_factor
+    return PixelShuffle(side=side, scale_factor=scale_factor, norm=nn.LayerNorm(wide, eps=norm_eps),
+                        proj=MLP(dim=wide, hidden_dim=out_dim, out_dim=out_dim, act=act, bias=bias))
+
+
+def pixel_shuffle_linear(*, in_dim: int, out_dim: int, image_size, patch_size, scale_factor: int = 2,
+                         bias: bool = False) -> PixelShuffle:
+    """Component builder (``conf/adapter/pixel_shuffle_linear.yaml``): Idefics3's and SmolVLM's
+    connector (``Idefics3Connector``): pixel shuffle by ``scale_factor``, then one linear map
+    (``modality_projection.proj``, no bias) to ``out_dim``.
+
+    Args:
+        in_dim: the encoder's width; ``out_dim``: the LM's.
+        image_size, patch_size: an item's side and a patch's, in pixels (an int or a square pair).
+        scale_factor: ``k`` (config.json's ``scale_factor``).
+
+    Raises:
+        ValueError: sizes that are not square, or a patch grid ``k`` does not divide.
+    """
+    return PixelShuffle(side=_side(image_size, patch_size), scale_factor=scale_factor,
+                        proj=nn.Linear(in_dim * scale_factor * scale_factor, out_dim, bias=bias))
+
+
+def _side(image_size, patch_size) -> int:
+    """Patches per side of an item."""
     image, patch = square_side(image_size, "image_size"), square_side(patch_size, "patch_size")
     if image % patch:
         raise ValueError(f"image_size={image} is not a multiple of patch_size={patch}")
-    wide = in_dim * scale_factor * scale_factor
-    return PixelShuffle(side=image // patch, scale_factor=scale_factor,
-                        norm=nn.LayerNorm(wide, eps=norm_eps),
-                        proj=MLP(dim=wide, hidden_dim=out_dim, out_dim=out_dim, act=act, bias=bias))
+    return image // patch

@@ -10,7 +10,9 @@ past the deepest selected one, and CLIP's ``post_layernorm``, are never built.
 
 The same module, parametrized, is InternViT (:func:`mmzoo.encoders.intern_vit`): a patch
 embedding with a bias, no pre-norm, layer-scaled blocks with LayerNorm or RMSNorm, optional q/k
-norms, and a final LayerNorm on the last block's output when that is the layer read.
+norms, and a final LayerNorm on the last block's output when that is the layer read; and SigLIP
+(:func:`mmzoo.encoders.siglip_vit`): a biased patch embedding, no class token, no pre-norm, a final
+LayerNorm.
 """
 
 from __future__ import annotations
@@ -22,6 +24,20 @@ from torch import nn
 
 from mmzoo.encoders._base import Encoder
 from mmzoo.layers import MLP, layer_norm, vit_block
+
+# transformers' CLIP and SigLIP vision names (after the tower's prefix, ``vision_model.``) -> ClipVisionEncoder's
+CLIP_RENAMES = [
+    (r"^embeddings\.patch_embedding\.", "patch_embed."),
+    (r"^embeddings\.class_embedding$", "class_embedding"),
+    (r"^embeddings\.position_embedding\.", "position_embedding."),
+    (r"^pre_layrnorm\.", "pre_norm."),
+    (r"^post_layernorm\.", "post_norm."),
+    (r"^encoder\.layers\.", "blocks."),
+    (r"\.self_attn\.out_proj\.", ".attn.o_proj."),
+    (r"\.self_attn\.", ".attn."),
+    (r"\.layer_norm1\.", ".norm1."),
+    (r"\.layer_norm2\.", ".norm2."),
+]
 
 
 def resolve_feature_layers(layers: int | Sequence[int], num_layers: int) -> list[int]:
@@ -61,8 +77,13 @@ class ClipVisionEncoder(Encoder):
         patch_bias: a bias on the patch embedding (InternViT's; CLIP's has none).
         pre_norm: a LayerNorm over the embeddings before the blocks (CLIP's ``pre_layrnorm``).
         absolute_positions: learned absolute positions added to the embeddings.
-        post_norm: a LayerNorm over the features read (InternViT's final ``layernorm``, which
-            transformers applies to the last block's output only): needs ``feature_layers == [depth]``.
+        post_norm: a LayerNorm over the features read (InternViT's final ``layernorm``, SigLIP's
+            ``post_layernorm``, which transformers applies to the last block's output only): needs
+            ``feature_layers == [depth]``.
+        class_token: a learned class token before the patches (CLIP's, InternViT's; SigLIP has none).
+        position_ids: ``[num_patches (+ 1)]`` the position-embedding row each token reads (SigLIP in
+            Idefics3 buckets fractional coordinates, which is not always the identity); None: row ``i``
+            for token ``i``.
         norm_layer, qkv_bias, qk_norm_layer, scale_layer: each block's norms, q/k/v biases, q/k
             norms and layer scales (:func:`~mmzoo.layers.vit_block`): CLIP's by default.
     """
@@ -73,7 +94,8 @@ class ClipVisionEncoder(Encoder):
                  absolute_positions: bool = True, post_norm: bool = False,
                  norm_layer: Callable[[int, float], nn.Module] = layer_norm, qkv_bias: bool = True,
                  qk_norm_layer: Callable[[int], nn.Module] | None = None,
-                 scale_layer: Callable[[int], nn.Module] | None = None):
+                 scale_layer: Callable[[int], nn.Module] | None = None, class_token: bool = True,
+                 position_ids: torch.Tensor | None = None):
         super().__init__()
         if image_size % patch_size:
             raise ValueError(f"image_size={image_size} is not a multiple of patch_size={patch_size}")
@@ -84,13 +106,19 @@ class ClipVisionEncoder(Encoder):
         if post_norm and list(feature_layers) != [depth]:
             raise ValueError(f"post_norm applies to the last block's output, but feature_layers={list(feature_layers)} "
                              f"with depth={depth}")
+        if keep_cls and not class_token:
+            raise ValueError("keep_cls needs a class token (class_token=True)")
         self.image_size, self.patch_size = image_size, patch_size
         self.num_patches = (image_size // patch_size) ** 2
         self.feature_layers, self.keep_cls = list(feature_layers), keep_cls
         self.patch_embed = nn.Conv2d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size,
                                      bias=patch_bias)
-        self.class_embedding = nn.Parameter(torch.zeros(embed_dim))
-        self.position_embedding = nn.Embedding(self.num_patches + 1, embed_dim) if absolute_positions else None
+        self.class_embedding = nn.Parameter(torch.zeros(embed_dim)) if class_token else None
+        tokens = self.num_patches + int(class_token)
+        self.position_embedding = nn.Embedding(tokens, embed_dim) if absolute_positions else None
+        if position_ids is not None and tuple(position_ids.shape) != (tokens,):
+            raise ValueError(f"position_ids has shape {list(position_ids.shape)}; expected [{tokens}] (one per token)")
+        self.register_buffer("position_ids", position_ids, persistent=False)
         self.pre_norm = layer_norm(embed_dim, norm_eps) if pre_norm else None
         self.blocks = nn.ModuleList(
             vit_block(dim=embed_dim, num_heads=num_heads, hidden_dim=intermediate_dim, act=act, attn_fn=attn_fn,
@@ -121,10 +149,12 @@ class ClipVisionEncoder(Encoder):
         n = pixel_values.shape[0]
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))  # [n, e, h, w]
         x = x.flatten(2).transpose(1, 2)  # [n, h * w, e], row-major patches
-        cls = self.class_embedding.to(x.dtype).expand(n, 1, -1)  # [n, 1, e]
-        x = torch.cat([cls, x], dim=1)  # [n, 1 + h * w, e]
+        if self.class_embedding is not None:
+            cls = self.class_embedding.to(x.dtype).expand(n, 1, -1)  # [n, 1, e]
+            x = torch.cat([cls, x], dim=1)  # [n, 1 + h * w, e]
         if self.position_embedding is not None:
-            x = x + self.position_embedding.weight
+            pos = self.position_embedding.weight
+            x = x + (pos if self.position_ids is None else pos[self.position_ids])
         if self.pre_norm is not None:
             x = self.pre_norm(x)
         states = {0: x}
@@ -133,7 +163,7 @@ class ClipVisionEncoder(Encoder):
             states[i] = x
         if self.post_norm is not None:  # the one feature layer is the last block's (checked at construction)
             states[len(self.blocks)] = self.post_norm(x)
-        start = 0 if self.keep_cls else 1
+        start = 0 if self.keep_cls or self.class_embedding is None else 1
         out = torch.cat([states[i][:, start:] for i in self.feature_layers], dim=-1)  # [n, t, e * layers]
         return out.flatten(0, 1)  # [n * t, e * layers]
 

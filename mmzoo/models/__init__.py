@@ -7,6 +7,7 @@ from mmzoo.models.llava import Llava
 from mmzoo.models.qwen2_5_vl import Qwen2_5_VL
 from mmzoo.models.qwen2_audio import Qwen2Audio
 from mmzoo.models.qwen2_vl import Qwen2VL
+from mmzoo.models.smolvlm import SmolVLM
 
 __all__ = ["MultimodalLM", "Tower", "Family", "Media", "TP_PLAN", "extend_tp_plan", "Qwen2VL", "Qwen2_5_VL", "Llava",
-           "InternVL", "Qwen2Audio"]
+           "InternVL", "SmolVLM", "Qwen2Audio"]

@@ -7,6 +7,9 @@ checkpoint, and a ``family`` node) plus a :class:`Family` subclass holding only 
   by name) and the tower they go through (:attr:`Family.tower`);
 * how raw media become tower inputs and how many placeholder tokens each item fills
   (:meth:`Family.raw_media`), and how precomputed embeddings are counted (:meth:`Family.precomputed`);
+* what each item's placeholder becomes in a rendered prompt and in a token prompt
+  (:meth:`Family.expand_placeholder`, :meth:`Family.expand_token_prompt`: its run of placeholders
+  unless the family frames its items);
 * the position scheme (:meth:`Family.positions`; 1-D unless overridden);
 * its checkpoint's tensor names (:meth:`Family.convert_weights`) and what it relies on in the
   checkpoint's config.json and tokenizer (:meth:`Family.check_config`, :meth:`Family.check_processor`:
@@ -127,10 +130,19 @@ class Family:
         """The placeholder text the chat template renders for one ``kind`` item and its token id."""
         return getattr(processor, f"{kind}_token"), int(getattr(self, f"{kind}_token_id"))
 
-    def expand_placeholder(self, kind: str, count: int, processor) -> str:
-        """The text one ``kind`` item's rendered placeholder becomes in the prompt: ``count``
-        placeholders (InternVL frames them with ``<img>`` ... ``</img>``)."""
-        return self.placeholder(kind, processor)[0] * count
+    def expand_placeholder(self, kind: str, media: Media, item: int, processor) -> str:
+        """The text the rendered placeholder of ``media``'s ``item`` becomes in the prompt: its count
+        of placeholders (InternVL frames them with ``<img>`` ... ``</img>``, SmolVLM lays out its tiles)."""
+        return self.placeholder(kind, processor)[0] * media.counts[item]
+
+    def expand_token_prompt(self, kind: str, ids: np.ndarray, media: Media | None, processor) -> np.ndarray:
+        """Token-prompt ids (``prompt_token_ids``) with the ``kind`` items' placeholders expanded:
+        the ``i``-th run of the placeholder token becomes item ``i``'s count (a run already of that
+        length passes through; :func:`~mmzoo.models._prompt.expand_runs`). ``media`` is None
+        without ``kind`` items."""
+        note = " (grid_thw rows)" if MEDIA_FIELDS[kind][2].endswith("grid_thw") else ""
+        counts = media.counts if media is not None else []
+        return expand_runs(ids, self.placeholder(kind, processor)[1], counts, what=kind, note=note)
 
     def raw_media(self, kind: str, items: list, processor) -> Media:
         """Raw ``kind`` items (paths, arrays) -> tower inputs and placeholder counts; raise
@@ -277,12 +289,11 @@ class Family:
         if request.prompt_token_ids is not None:
             input_ids = np.asarray(request.prompt_token_ids, dtype=np.int64)
             for kind in self.modalities:
-                note = " (grid_thw rows)" if MEDIA_FIELDS[kind][2].endswith("grid_thw") else ""
-                input_ids = expand_runs(input_ids, tokens[kind][1], counts[kind], what=kind, note=note)
+                input_ids = self.expand_token_prompt(kind, input_ids, media.get(kind), processor)
         else:
             input_ids = render_prompt(processor, request, list(self.modalities),
-                                      {kind: (tokens[kind][0], [self.expand_placeholder(kind, n, processor)
-                                                                for n in counts[kind]])
+                                      {kind: (tokens[kind][0], [self.expand_placeholder(kind, media[kind], i, processor)
+                                                                for i in range(len(counts[kind]))])
                                        for kind in self.modalities})
         mm_index = np.full(len(input_ids), -1, dtype=np.int64)
         calls: list[TowerInput] = []
@@ -319,10 +330,12 @@ _LM_RENAMES = [(r"\.self_attn\.", ".attn."), (r"\.input_layernorm\.", ".norm1.")
 
 def lm_key(key: str) -> str | None:
     """The composition's name for a language-model key of a ``*ForConditionalGeneration`` checkpoint
-    (transformers 5's ``model.language_model.* / lm_head.*`` or the hub's ``language_model.model.* /
-    language_model.lm_head.*``), or None if it is not one."""
+    (transformers 5's ``model.language_model.* / lm_head.*``, Idefics3's and SmolVLM's
+    ``model.text_model.*``, or the hub's ``language_model.model.* / language_model.lm_head.*``), or
+    None if it is not one."""
     for prefix, repl in (("model.language_model.", "lm."), ("language_model.model.", "lm."),
-                         ("language_model.lm_head.", "lm.lm_head."), ("lm_head.", "lm.lm_head.")):
+                         ("model.text_model.", "lm."), ("language_model.lm_head.", "lm.lm_head."),
+                         ("lm_head.", "lm.lm_head.")):
         if key.startswith(prefix):
             new = repl + key[len(prefix):]
             for pattern, sub in _LM_RENAMES:

@@ -125,10 +125,10 @@ class InternVL(Family):
                              f"({self.image_size} / {self.patch_size} / {self.scale_factor})^2)")
 
     # -- media -----------------------------------------------------------------------------------
-    def expand_placeholder(self, kind: str, count: int, processor) -> str:
-        """``<img>`` + ``count`` placeholders + ``</img>``, as ``InternVLProcessor`` writes an image."""
+    def expand_placeholder(self, kind: str, media: Media, item: int, processor) -> str:
+        """``<img>`` + the item's placeholders + ``</img>``, as ``InternVLProcessor`` writes an image."""
         pad, _ = self.placeholder(kind, processor)
-        return f"{processor.start_image_token}{pad * count}{processor.end_image_token}"
+        return f"{processor.start_image_token}{pad * media.counts[item]}{processor.end_image_token}"
 
     def raw_media(self, kind: str, items: list, processor) -> Media:
         """The checkpoint's image processor with InternVLProcessor's defaults (``crop_to_patches``):

@@ -20,25 +20,12 @@ import numpy as np
 import torch
 
 from mmzoo.buckets import doubling
-from mmzoo.encoders import resolve_feature_layers
+from mmzoo.encoders import CLIP_RENAMES, resolve_feature_layers
 from mmzoo.errors import MmzooError
 from mmzoo.models._embeds import as_embeds
 from mmzoo.models._media import load_images
 from mmzoo.models.family import Family, Media, extend_tp_plan, lm_key
 from mmzoo.types import TowerInput
-
-_VIT_RENAMES = [
-    (r"^embeddings\.patch_embedding\.", "patch_embed."),
-    (r"^embeddings\.class_embedding$", "class_embedding"),
-    (r"^embeddings\.position_embedding\.", "position_embedding."),
-    (r"^pre_layrnorm\.", "pre_norm."),
-    (r"^encoder\.layers\.", "blocks."),
-    (r"\.self_attn\.out_proj\.", ".attn.o_proj."),
-    (r"\.self_attn\.", ".attn."),
-    (r"\.layer_norm1\.", ".norm1."),
-    (r"\.layer_norm2\.", ".norm2."),
-]
-
 
 class Llava(Family):
     """Llava: images through a CLIP ViT read at a hidden layer.
@@ -128,7 +115,7 @@ class Llava(Family):
                 m = re.match(r"encoder\.layers\.(\d+)\.", k)
                 if m and self.depth <= int(m.group(1)) < self.num_layers:  # a layer past num_layers: unexpected
                     continue
-                for pattern, repl in _VIT_RENAMES:
+                for pattern, repl in CLIP_RENAMES:
                     k = re.sub(pattern, repl, k)
                 out["towers.vision.encoder." + k] = value
             elif k.startswith("multi_modal_projector."):

@@ -77,6 +77,19 @@ def _frames(rgba: bool) -> list[Image.Image]:
 
 _WARN_ALPHA = r"a transparent image \(mode {}\) loses its transparency as transformers drops it: "
 _WARN_FIRST = r"an animated {} image is read as its first frame only"
+def _png_without_palette() -> bytes:
+    """A 4x4 colour-type-3 (palette) PNG with no PLTE chunk, indices 0..15."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = b"".join(b"\x00" + bytes(range(4 * r, 4 * r + 4)) for r in range(4))  # filter 0, one byte per pixel
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 4, 4, 8, 3, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
 _WARN_CLIP = r"grayscale image \(mode {}, values .*\) is clipped to 0\.\.255, not scaled"
 _WARN_FLOAT = r"a float image \(mode F\) is truncated and clipped"
 _WARN_EXIF = r"the image object's EXIF orientation \(6\) is not applied"
@@ -98,6 +111,8 @@ CASES = {
     # a palette's per-entry alpha (tRNS): load_image drops it (Pillow warns that it cannot keep it)
     "P_alpha": ("p_alpha.png", lambda p: _palette(False).save(p, transparency=bytes([0, 128] + [255] * 14)),
                 _WARN_ALPHA.format("P with palette alpha"), None),
+    # a palette PNG without its palette (no PLTE chunk): Pillow reads grey levels, its transparency check asserts
+    "P_no_palette": ("p_no_plte.png", lambda p: p.write_bytes(_png_without_palette()), None, None),
     "CMYK": ("cmyk.jpg", lambda p: Image.fromarray(_rgb()).convert("CMYK").save(p, quality=95), None, None),
     "YCbCr": ("ycbcr.tif", lambda p: Image.fromarray(_rgb()).convert("YCbCr").save(p), None, None),
     "I;16": ("gray16.png", lambda p: Image.fromarray((_rgb()[..., 0].astype(np.uint16) * 257)).save(p),

@@ -175,6 +175,8 @@ _ALPHA_MODES = ("LA", "La", "PA", "RGBA", "RGBa")
 def _has_transparent_pixels(img: Image.Image) -> bool:
     """Whether some pixel of ``img`` is not fully opaque (alpha channel, palette alpha or a
     transparency entry), read without an RGBA copy where the histogram tells."""
+    if img.mode == "P" and img.palette is None and "transparency" not in img.info:
+        return False  # a palette image without its palette (a PNG with no PLTE chunk): Pillow's check asserts
     if not img.has_transparency_data:
         return False
     if img.mode in _ALPHA_MODES:

@@ -101,6 +101,21 @@ class Media:
     grid: np.ndarray | None = None
 
 
+def item_buckets(tokens_per_item: int, *, max_model_len: int, max_media_rows: int) -> list[int]:
+    """:meth:`Family.encoder_buckets` of a tower whose input rows are whole fixed-size items (Llava's
+    images, InternVL's and SmolVLM's tiles): doubling up to as many items as a ``max_model_len``
+    prompt holds and as the executor's media buffer of ``max_media_rows`` embeddings takes."""
+    from mmzoo.buckets import doubling
+
+    return doubling(1, max(1, min(max_model_len, max_media_rows) // tokens_per_item))
+
+
+def blank_images(tower: str, rows: int, *, in_channels: int, side: int, tokens_per_item: int) -> TowerInput:
+    """:meth:`Family.dummy_media` of such a tower: ``rows`` blank ``side x side`` images."""
+    pixels = np.zeros((rows, in_channels, side, side), np.float32)
+    return TowerInput(tower=tower, inputs={"pixel_values": pixels}, num_embeds=rows * tokens_per_item)
+
+
 class Family:
     """Base of the model families (see the module docstring).
 

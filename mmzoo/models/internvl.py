@@ -25,12 +25,11 @@ import re
 import numpy as np
 import torch
 
-from mmzoo.buckets import doubling
 from mmzoo.encoders import resolve_feature_layers, square_side
 from mmzoo.errors import MmzooError
 from mmzoo.models._embeds import as_embeds, as_grid
 from mmzoo.models._media import load_images
-from mmzoo.models.family import Family, Media, extend_tp_plan, lm_key
+from mmzoo.models.family import Family, Media, blank_images, extend_tp_plan, item_buckets, lm_key
 from mmzoo.types import TowerInput
 
 # transformers' InternVLVisionModel names -> the ClipVisionEncoder's (after the tower prefix is stripped)
@@ -196,11 +195,10 @@ class InternVL(Family):
 
     # -- the executor's -------------------------------------------------------------------------
     def encoder_buckets(self, *, max_model_len: int, max_media_rows: int) -> list[int]:
-        """Tiles per call: doubling up to as many tiles as a ``max_model_len`` prompt holds and as
-        the executor's media buffer of ``max_media_rows`` embeddings takes."""
-        return doubling(1, max(1, min(max_model_len, max_media_rows) // self.tokens_per_tile))
+        """Tiles per call (:func:`~mmzoo.models.family.item_buckets`)."""
+        return item_buckets(self.tokens_per_tile, max_model_len=max_model_len, max_media_rows=max_media_rows)
 
     def dummy_media(self, rows: int) -> TowerInput:
         """``rows`` blank tiles."""
-        pixels = np.zeros((rows, self.in_channels, self.image_size, self.image_size), np.float32)
-        return TowerInput(tower=self.tower, inputs={"pixel_values": pixels}, num_embeds=rows * self.tokens_per_tile)
+        return blank_images(self.tower, rows, in_channels=self.in_channels, side=self.image_size,
+                            tokens_per_item=self.tokens_per_tile)

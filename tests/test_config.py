@@ -36,6 +36,8 @@ TINY = {
     "pixel_shuffle_linear": {"in_dim": 32, "out_dim": 48, "image_size": 56, "patch_size": 14},
     **{lm: {"vocab_size": 64, "dim": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "intermediate_dim": 64}
        for lm in ("llama", "qwen2")},
+    "gemma3": {"vocab_size": 64, "dim": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8,
+               "intermediate_dim": 64, "sliding_window": 4},
 }
 
 
@@ -47,7 +49,7 @@ def test_groups_have_the_expected_options():
                                               "whisper"}
     assert set(config.options("adapter")) == {"patch_merger", "mlp_projector", "audio_projector", "pixel_shuffle",
                                               "pixel_shuffle_linear"}
-    assert set(config.options("lm")) == {"llama", "qwen2"}
+    assert set(config.options("lm")) == {"llama", "qwen2", "gemma3"}
 
 
 @pytest.mark.parametrize("group,name", [(g, n) for g in ("encoder", "adapter", "lm") for n in config.options(g)])

@@ -141,6 +141,8 @@ class XLAExecutor(Executor):
         """Tabulate the rotaries of the LM and the towers (``rotary_table``) before the model is placed."""
         if self.layouts.rotary_table:
             model.lm.rotary.tabulate(self.max_model_len)
+            if model.lm.sliding_rotary is not None:  # the sliding layers' own RoPE (Gemma 3), same positions
+                model.lm.sliding_rotary.tabulate(self.max_model_len)
             for name, tower in model.towers.items():
                 if tower.encoder.rotary_input:
                     tower.encoder.rotary.tabulate(self.buckets.tower(name)[-1])

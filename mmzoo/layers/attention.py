@@ -32,11 +32,17 @@ class Attention(nn.Module):
             (a sliding-window layer of Qwen2, Gemma 3); None: every earlier key.
         q_norm, k_norm: norms of the queries and keys over their full width (``[b, s, heads * head_dim]``,
             before the heads are split: InternViT-6B's q/k norm); None: none.
+        qk_norm_per_head: ``q_norm`` and ``k_norm`` normalize each head over its ``head_dim``
+            channels instead (``[b, s, heads, head_dim]``, after the split, before the rotary:
+            Gemma 3's, Qwen3's); the norms are then built for ``head_dim``.
+        scale: the attention scores' factor; None: ``head_dim ** -0.5`` (Gemma 3:
+            ``query_pre_attn_scalar ** -0.5``).
     """
 
     def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, attn_fn,
                  causal: bool, qkv_bias: bool, out_bias: bool, layer_idx: int = 0, sliding_window: int | None = None,
-                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
+                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, qk_norm_per_head: bool = False,
+                 scale: float | None = None):
         super().__init__()
         attn_fn.check_shape(head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
         if sliding_window is not None and (not causal or sliding_window <= 0):
@@ -44,7 +50,9 @@ class Attention(nn.Module):
                              f"window (causal={causal})")
         self.sliding_window = sliding_window
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        if scale is not None and not scale > 0:
+            raise ValueError(f"attention: scale={scale} must be positive")
+        self.scale = head_dim ** -0.5 if scale is None else float(scale)
         self.causal = causal
         self.layer_idx = layer_idx
         self.attn_fn = attn_fn
@@ -54,6 +62,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=out_bias)
         self.qkv_proj = None  # set by fuse_projections()
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.qk_norm_per_head = qk_norm_per_head
 
     def fuse_projections(self) -> None:
         """Replace ``q_proj / k_proj / v_proj`` by one ``qkv_proj`` holding their weights (and
@@ -88,12 +97,18 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split([hq, hkv, hkv], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.q_norm is not None:
+        full_width = not self.qk_norm_per_head
+        if self.q_norm is not None and full_width:
             q = self.q_norm(q)  # [b, s, hq * d]
-        if self.k_norm is not None:
+        if self.k_norm is not None and full_width:
             k = self.k_norm(k)  # [b, s, hkv * d]
-        q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [b, hq, s, d]
-        k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [b, hkv, s, d]
+        q = q.view(b, s, self.num_heads, self.head_dim)  # [b, s, hq, d]
+        k = k.view(b, s, self.num_kv_heads, self.head_dim)  # [b, s, hkv, d]
+        if self.q_norm is not None and not full_width:
+            q = self.q_norm(q)  # each head over its d channels
+        if self.k_norm is not None and not full_width:
+            k = self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [b, hq, s, d], [b, hkv, s, d]
         v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)

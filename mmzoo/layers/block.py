@@ -28,19 +28,30 @@ class LayerScale(nn.Module):
 
 class TransformerBlock(nn.Module):
     """``x + attn(norm1(x))`` then ``x + mlp(norm2(x))``; with layer scales,
-    ``x + scale1(attn(norm1(x)))`` then ``x + scale2(mlp(norm2(x)))``.
+    ``x + scale1(attn(norm1(x)))`` then ``x + scale2(mlp(norm2(x)))``; with post-norms,
+    ``x + post_attn_norm(attn(norm1(x)))`` then ``x + post_mlp_norm(mlp(norm2(x)))``.
 
     The sub-modules are injected, so a CLIP/Qwen2-VL ViT block (LayerNorm, MLP, bidirectional
     attention), a Qwen2.5-VL ViT block (RMSNorm, gated MLP with biases), an InternViT block (either
-    norm, both branches layer-scaled) and a Llama/Qwen2 decoder layer (RMSNorm, gated MLP, causal
-    attention with a KV cache) are the same class.
+    norm, both branches layer-scaled), a Llama/Qwen2 decoder layer (RMSNorm, gated MLP, causal
+    attention with a KV cache) and a Gemma 3 decoder layer (four norms: each branch's output normed
+    before the residual add) are the same class.
+
+    Args:
+        attn, mlp: the two branches.
+        norm1, norm2: the norms of each branch's input.
+        scale1, scale2: each branch's layer scale (:class:`LayerScale`); None: unscaled.
+        post_attn_norm, post_mlp_norm: the norms of each branch's output, before the residual add
+            (Gemma 3's ``post_attention_layernorm`` / ``post_feedforward_layernorm``); None: none.
     """
 
     def __init__(self, *, attn: nn.Module, mlp: nn.Module, norm1: nn.Module, norm2: nn.Module,
-                 scale1: nn.Module | None = None, scale2: nn.Module | None = None):
+                 scale1: nn.Module | None = None, scale2: nn.Module | None = None,
+                 post_attn_norm: nn.Module | None = None, post_mlp_norm: nn.Module | None = None):
         super().__init__()
         self.norm1, self.attn, self.norm2, self.mlp = norm1, attn, norm2, mlp
         self.scale1, self.scale2 = scale1, scale2
+        self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
 
     def forward(self, x: torch.Tensor, *, rope=None, cache=None, attn_kwargs=None,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,8 +59,12 @@ class TransformerBlock(nn.Module):
         ``[b, n, dim]`` (every position's keys and values still reach the cache)."""
         residual = x if rows is None else take_rows(x, rows)
         h = self.attn(self.norm1(x), rope=rope, cache=cache, attn_kwargs=attn_kwargs, rows=rows)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
         x = residual + (h if self.scale1 is None else self.scale1(h))
         h = self.mlp(self.norm2(x))
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
         return x + (h if self.scale2 is None else self.scale2(h))
 
 

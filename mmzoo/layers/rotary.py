@@ -3,7 +3,8 @@
 RoPE (Su et al., 2021, "RoFormer") rotates pairs of channels by ``position * inv_freq``.
 The variants differ only in which position axis drives each frequency:
 
-* 1-D RoPE (Llama, Qwen2): every frequency reads axis 0.
+* 1-D RoPE (Llama, Qwen2, Gemma 3): every frequency reads axis 0 (with ``linear`` scaling, the
+  frequencies divided by a factor).
 * M-RoPE (Qwen2-VL, Wang et al., 2024): frequencies are split into sections that read the
   temporal, height and width axes in turn (``mrope_section``).
 * 2-D vision RoPE (Qwen2-VL's ViT): the first half of the frequencies reads the patch row,
@@ -79,9 +80,15 @@ class Rotary(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def rope_1d(head_dim: int, theta: float) -> Rotary:
-    """Plain RoPE over one position axis (Llama, Qwen2)."""
+def rope_1d(head_dim: int, theta: float, factor: float = 1.0) -> Rotary:
+    """Plain RoPE over one position axis (Llama, Qwen2); ``factor`` > 1: transformers' ``linear``
+    ``rope_type`` (position interpolation, Chen et al., 2023: every frequency divided by ``factor``;
+    Gemma 3's full-attention layers use 8)."""
+    if not factor > 0:
+        raise ValueError(f"linear RoPE scaling factor={factor} must be positive")
     inv = _ladder(head_dim, theta)
+    if factor != 1.0:
+        inv = inv / factor
     return Rotary(inv, torch.zeros_like(inv, dtype=torch.long))
 
 

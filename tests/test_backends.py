@@ -2,8 +2,9 @@
 
 Eager is the reference; every pair of backends is compared (fp32, atol 1e-5). The cases are a
 hand-picked cover of the axes (seq length 1/7/100/1000, head_dim 64/80/128, GQA 1/2/4, causal,
-segment ids, kv_lengths, decode against partly filled caches), not their product, to keep the
-file under a minute on two cores (about 50 s measured).
+segment ids, kv_lengths, decode against partly filled caches, sliding windows, bidirectional
+blocks), not their product, to keep the file short on two cores. The sliding-window and block
+cases are checked against the rules written out in float64 (:func:`_reference`).
 """
 
 from __future__ import annotations
@@ -141,23 +142,30 @@ SLIDING = [  # (case, window): prefill with packed prompts, a chunk at an offset
 ]
 
 
-def _sliding_reference(q, k, v, kwargs, window):
-    """Attention written out with the sliding window's rule, key ``j`` visible to a query at
-    ``p`` iff ``p - window < j <= p`` (with the case's lengths and segments)."""
+def _reference(q, k, v, kwargs, window=None):
+    """Causal attention written out in float64 from an explicit boolean mask: key ``j`` visible to
+    a query at ``p`` iff (``j <= p`` or the two share a bidirectional block: ``q_blocks >= 0`` and
+    equal to ``kv_blocks``) and, with a sliding ``window``, ``j > p - window`` (transformers'
+    Gemma 3 masks), with the case's lengths and segments. Returns float32 ``[b, hq, sq, d]``."""
     b, hq, sq, d = q.shape
     skv, groups = k.shape[2], hq // k.shape[1]
-    pos = kwargs.get("q_positions", torch.arange(sq).expand(b, sq) + (skv - sq))
+    pos = kwargs.get("q_positions", torch.arange(sq).expand(b, sq) + (skv - sq))[:, :, None]  # [b, sq, 1]
     j = torch.arange(skv)
-    visible = (j <= pos[:, :, None]) & (j > pos[:, :, None] - window)  # [b, sq, skv]
-    if "kv_lengths" in kwargs:
+    visible = j <= pos  # [b, sq, skv]
+    if kwargs.get("q_blocks") is not None:
+        q_blk = kwargs["q_blocks"][:, :, None]
+        visible |= (q_blk >= 0) & (q_blk == kwargs["kv_blocks"][:, None, :])
+    if window is not None:
+        visible &= j > pos - window
+    if kwargs.get("kv_lengths") is not None:
         visible &= j < kwargs["kv_lengths"][:, None, None]
-    if "q_segment_ids" in kwargs:
+    if kwargs.get("q_segment_ids") is not None:
         visible &= kwargs["q_segment_ids"][:, :, None] == kwargs["kv_segment_ids"][:, None, :]
-    kk, vv = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scores = (q @ kk.transpose(-1, -2)) * kwargs["scale"]
+    kk, vv = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
+    scores = (q.double() @ kk.transpose(-1, -2)) * kwargs["scale"]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     out = torch.softmax(scores, -1).nan_to_num(0.0) @ vv
-    return torch.where(visible.any(-1)[:, None, :, None], out, torch.zeros(()))
+    return torch.where(visible.any(-1)[:, None, :, None], out, torch.zeros((), dtype=out.dtype)).float()
 
 
 @pytest.mark.parametrize("device", ["cpu", "xla"])
@@ -166,7 +174,7 @@ def test_sliding_window(backends, case, window, device):
     """Each backend, Pallas with small tiles too (its tiles below every row's window skipped),
     sees the last ``window`` keys up to each query's own: equal to the rule written out."""
     q, k, v, kwargs = make_inputs(case, seed=3)
-    ref = _sliding_reference(q, k, v, kwargs, window)
+    ref = _reference(q, k, v, kwargs, window)
     dq, dk, dv, dkw = to_device(q, k, v, kwargs, torch_xla.device() if device == "xla" else "cpu")
     fns = {**backends, "pallas-tiles": PallasAttention(block_q=64, block_kv=128)}
     for name, fn in fns.items():
@@ -183,10 +191,124 @@ def test_sliding_window_in_windowed_prefill(backends):
     seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((64 - sum(lengths),), 5)])
     q, k, v, _ = make_inputs(Case("packed", b=1, hq=4, hkv=2, sq=64, skv=64, d=64, causal=True), seed=2)
     kw = {"scale": 0.125, "q_segment_ids": seg[None], "kv_segment_ids": seg[None]}
-    ref = _sliding_reference(q, k, v, kw, 6)
+    ref = _reference(q, k, v, kw, 6)
     for name, fn in backends.items():
         out = fn.windowed(q, k, v, window=16, sliding_window=6, **kw)
         torch.testing.assert_close(out, ref, atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def _block_ids(b: int, s: int, runs) -> torch.Tensor:
+    """``[b, s]`` block ids: -1 outside, ``runs[i]`` a list of ``(start, stop, id)`` for row ``i``."""
+    ids = torch.full((b, s), -1)
+    for row, row_runs in enumerate(runs):
+        for start, stop, i in row_runs:
+            ids[row, start:stop] = i
+    return ids
+
+
+# (case, runs per row, sliding window). With Pallas' small tiles (block_q=64, block_kv=128): in
+# "blocks-s300", (50, 90) crosses a q tile, (0, 10) and (290, 300) sit at the ends, and row 1's
+# (100, 200) takes the queries 100..127 of q tile 1 past their causal bound (key 127) into kv tile 1,
+# which a causal-only skip would miss; its lengths cut that block at 170. In "blocks-packed-seg" two
+# prompts (0..139, 140..249) and padding share a row, and block ids restart per prompt: the segment
+# rule alone keeps prompt 1's block 0 apart from prompt 0's. "blocks-s8" is short enough for the
+# decode kernel, which has no blocks: it takes the flash kernel.
+BLOCKS = [
+    (Case("blocks-s300-len", b=2, hq=4, hkv=2, sq=300, skv=300, d=64, causal=True, kv_len=(300, 170)),
+     [[(0, 10, 0), (50, 90, 1), (120, 140, 2), (290, 300, 3)], [(60, 70, 0), (100, 200, 1)]], None),
+    (Case("blocks-s300-len-slide16", b=2, hq=4, hkv=2, sq=300, skv=300, d=64, causal=True, kv_len=(300, 170)),
+     [[(0, 10, 0), (50, 90, 1), (120, 140, 2), (290, 300, 3)], [(60, 70, 0), (100, 200, 1)]], 16),
+    (Case("blocks-packed-seg", b=1, hq=4, hkv=2, sq=256, skv=256, d=64, causal=True),
+     [[(5, 30, 0), (100, 140, 1), (150, 210, 0), (240, 250, 1)]], None),
+    (Case("blocks-packed-seg-slide16", b=1, hq=4, hkv=2, sq=256, skv=256, d=64, causal=True),
+     [[(5, 30, 0), (100, 140, 1), (150, 210, 0), (240, 250, 1)]], 16),
+    (Case("blocks-s8", b=2, hq=4, hkv=2, sq=8, skv=8, d=64, causal=True), [[(2, 6, 0)], [(0, 3, 4), (5, 8, 7)]], None),
+]
+
+
+def _block_inputs(case: Case, runs, seed: int = 4):
+    """:func:`make_inputs` plus the blocks of ``runs`` (one tensor for q and kv, as in prefill);
+    cases named ``-seg`` pack two prompts and padding as segments 0, 1, 2."""
+    q, k, v, kwargs = make_inputs(case, seed=seed)
+    kwargs["q_blocks"] = kwargs["kv_blocks"] = _block_ids(case.b, case.sq, runs)
+    if "-seg" in case.id:
+        seg = torch.cat([torch.zeros(140), torch.ones(110), torch.full((case.sq - 250,), 2)]).long()[None]
+        kwargs["q_segment_ids"] = kwargs["kv_segment_ids"] = seg
+    return q, k, v, kwargs
+
+
+def _to_device_blocks(q, k, v, kwargs, device):
+    """:func:`to_device`, keeping q and kv blocks one tensor on the device (their memo key)."""
+    dq, dk, dv, moved = to_device(q, k, v, kwargs, device)
+    moved["kv_blocks"] = moved["q_blocks"]
+    return dq, dk, dv, moved
+
+
+@pytest.mark.parametrize("device", ["cpu", "xla"])
+@pytest.mark.parametrize("case,runs,window", BLOCKS, ids=lambda c: getattr(c, "id", None))
+def test_bidirectional_blocks(backends, case, runs, window, device):
+    """Every backend, Pallas with small tiles too, against the dense float64 rule."""
+    q, k, v, kwargs = _block_inputs(case, runs)
+    ref = _reference(q, k, v, kwargs, window)
+    dq, dk, dv, dkw = _to_device_blocks(q, k, v, kwargs, torch_xla.device() if device == "xla" else "cpu")
+    extra = {} if window is None else {"sliding_window": window}
+    fns = {**backends, "pallas-tiles": PallasAttention(block_q=64, block_kv=128)}
+    for name, fn in fns.items():
+        out = fn(dq, dk, dv, **dkw, **extra).cpu()
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
+    # the blocks matter: without them the output differs
+    plain = {n: t for n, t in kwargs.items() if n not in ("q_blocks", "kv_blocks")}
+    assert (_reference(q, k, v, plain, window) - ref).abs().max() > 1e-2
+
+
+def test_blocks_are_refused_where_meaningless(backends):
+    q, k, v, kwargs = _block_inputs(*BLOCKS[0][:2])
+    blk = kwargs["q_blocks"]
+    for name, fn in backends.items():
+        with pytest.raises(ValueError, match="q_blocks/kv_blocks open blocks of causal attention"):
+            fn(q, k, v, scale=0.1, q_blocks=blk, kv_blocks=blk)
+        with pytest.raises(ValueError, match="pass both q_blocks and kv_blocks, or neither"):
+            fn(q, k, v, scale=0.1, causal=True, q_blocks=blk)
+        with pytest.raises(ValueError, match="pass both q_blocks and kv_blocks, or neither"):
+            fn(q, k, v, scale=0.1, causal=True, kv_blocks=blk)
+        with pytest.raises(ValueError, match=r"q_blocks\(2, 299\) and kv_blocks\(2, 300\) must be \[b, sq\] = "
+                                             r"\(2, 300\) and \[b, skv\] = \(2, 300\)"):
+            fn(q, k, v, scale=0.1, causal=True, q_blocks=blk[:, 1:], kv_blocks=blk)
+    seg = torch.zeros(1, 64, dtype=torch.long)
+    q, k, v, _ = make_inputs(Case("packed", b=1, hq=4, hkv=2, sq=64, skv=64, d=64, causal=True))
+    for name, fn in backends.items():
+        with pytest.raises(ValueError, match="windowed form of packed prompts cannot honour q_blocks/kv_blocks"):
+            fn.windowed(q, k, v, scale=0.1, window=16, q_segment_ids=seg, kv_segment_ids=seg,
+                        q_blocks=seg, kv_blocks=seg)
+
+
+def test_block_mask_memo_per_forward():
+    """Layers of one forward pass the same block tensors: the folded mask is built once; other
+    block tensors (or none) build another."""
+    q, k, v, kwargs = _block_inputs(*BLOCKS[0][:2])
+    eager = EagerAttention()
+    args = {n: kwargs.get(n) for n in ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_lengths")}
+    first = eager.folded_mask(q, k, causal=True, **args, q_blocks=kwargs["q_blocks"], kv_blocks=kwargs["kv_blocks"])
+    again = eager.folded_mask(q, k, causal=True, **args, q_blocks=kwargs["q_blocks"], kv_blocks=kwargs["kv_blocks"])
+    assert again is first
+    other = kwargs["q_blocks"].clone()
+    assert eager.folded_mask(q, k, causal=True, **args, q_blocks=other, kv_blocks=other) is not first
+    assert not torch.equal(eager.folded_mask(q, k, causal=True, **args), first)
+
+
+def test_blocks_xla_graph_is_reused(backends):
+    """With blocks, a second call of the same shapes compiles no new graph (sdpa's mask, Pallas'
+    flash kernel with its per-tile bound)."""
+    import torch_xla.debug.metrics as met
+
+    q, k, v, kwargs = _block_inputs(*BLOCKS[-1][:2])
+    for name in ("sdpa", "pallas"):
+        compiles = None
+        for _ in range(2):  # new device tensors each time, as each forward brings
+            dq, dk, dv, dkw = _to_device_blocks(q, k, v, kwargs, torch_xla.device())
+            backends[name](dq, dk, dv, **dkw).cpu()
+            compiles, before = met.metric_data("CompileTime")[0], compiles
+        assert compiles == before, name
 
 
 def test_small_blocks_match_eager():

@@ -4,7 +4,7 @@ Every attention call in mmzoo (vision towers, audio towers, LM prefill and LM de
 through a backend object with this call signature::
 
     out = backend(q, k, v, scale=..., causal=..., q_segment_ids=..., kv_segment_ids=...,
-                  q_positions=..., kv_lengths=...)
+                  q_positions=..., kv_lengths=..., sliding_window=..., q_blocks=..., kv_blocks=...)
 
 Shapes: ``q`` is ``[b, hq, sq, d]``; ``k`` and ``v`` are ``[b, hkv, skv, d]`` with
 ``hq % hkv == 0`` (grouped-query attention when ``hkv < hq``). The result is ``[b, hq, sq, d]``.
@@ -14,6 +14,15 @@ Masking rules, combined with AND (a key is visible to a query only if every rule
 * ``causal``: key ``j`` is visible to query ``i`` iff ``j <= q_positions[b, i]``. When
   ``q_positions`` is omitted the queries are the last ``sq`` positions of the keys
   (``q_positions = skv - sq + arange(sq)``), which is plain causal prefill when ``sq == skv``.
+* ``q_blocks [b, sq]`` / ``kv_blocks [b, skv]`` (causal only, both or neither): bidirectional
+  blocks, such as the tokens of one image in Gemma 3. Integer ids, -1 for a token in no block,
+  equal non-negative ids for one block (a contiguous run of positions). They widen the causal
+  rule, not the others: ``j <= q_positions[b, i]`` OR (``q_blocks[b, i] >= 0`` and
+  ``q_blocks[b, i] == kv_blocks[b, j]``). As transformers' Gemma 3 masks
+  (``create_masks_for_vision_model``: ``or_masks(causal, blockwise_overlay)``, then
+  ``and_masks`` with the sliding window).
+* ``sliding_window`` (causal only): key ``j`` is visible iff ``j > q_positions[b, i] - sliding_window``
+  (the last ``sliding_window`` keys up to the query's own; transformers' ``sliding_window_overlay``).
 * ``q_segment_ids [b, sq]`` / ``kv_segment_ids [b, skv]``: visible iff the ids are equal
   (block-diagonal attention over packed images, or padding kept apart from real tokens).
 * ``kv_lengths [b]``: key ``j`` is visible iff ``j < kv_lengths[b]`` (a partly filled cache).

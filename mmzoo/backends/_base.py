@@ -56,19 +56,21 @@ class AttentionBackend:
         return self
 
     def folded_mask(self, q: torch.Tensor, k: torch.Tensor, *, causal: bool, q_segment_ids, kv_segment_ids,
-                    q_positions, kv_lengths, sliding_window: int | None = None) -> torch.Tensor | None:
+                    q_positions, kv_lengths, sliding_window: int | None = None, q_blocks=None,
+                    kv_blocks=None) -> torch.Tensor | None:
         """:func:`visibility_mask` folded for GQA (:func:`fold_gqa`), built once per forward.
 
-        Every layer of a forward passes the same position / segment / length tensors, so the mask
-        of the previous call is reused while those are the same objects (the memo holds them, so
-        their identities stay valid), one memo per sliding window (layers that alternate between
-        a window and none each find theirs). On XLA this keeps the traced graph smaller.
+        Every layer of a forward passes the same position / segment / length / block tensors, so
+        the mask of the previous call is reused while those are the same objects (the memo holds
+        them, so their identities stay valid), one memo per sliding window (layers that alternate
+        between a window and none each find theirs). On XLA this keeps the traced graph smaller.
         """
         b, hq, sq, _ = q.shape
         skv, groups = k.shape[2], hq // k.shape[1]
-        key = (b, sq, skv, groups, causal, str(q.device), q_segment_ids, kv_segment_ids, q_positions, kv_lengths)
+        key = (b, sq, skv, groups, causal, str(q.device), q_segment_ids, kv_segment_ids, q_positions, kv_lengths,
+               q_blocks, kv_blocks)
         args = (b, sq, skv, groups, q.device, causal, q_segment_ids, kv_segment_ids, q_positions, kv_lengths,
-                sliding_window)
+                sliding_window, q_blocks, kv_blocks)
         if not any(isinstance(t, torch.Tensor) for t in key):
             # shapes only: a memo would outlive the forward, and on XLA the next graph would take
             # the materialized mask as an input instead of building it (a different graph than
@@ -86,7 +88,8 @@ class AttentionBackend:
 
     def windowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: int,
                  q_segment_ids: torch.Tensor, kv_segment_ids: torch.Tensor,
-                 sliding_window: int | None = None) -> torch.Tensor:
+                 sliding_window: int | None = None, q_blocks: torch.Tensor | None = None,
+                 kv_blocks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention over prompts packed in one row (``q [1, hq, s, d]``, ``k, v [1, hkv, s, d]``,
         segment ids ``[1, s]``), when no prompt is longer than ``window`` tokens: the same keys
         visible as ``self(q, k, v, causal=True, q_segment_ids=..., kv_segment_ids=...)``, at
@@ -96,7 +99,14 @@ class AttentionBackend:
         most ``window`` tokens that reaches into chunk ``j`` began in chunk ``j - 1`` or ``j``, so
         chunk ``j`` attends to those two chunks only: the chunks become the batch of one call of
         this backend, with the same segment and causal masking inside.
+
+        Bidirectional blocks (``q_blocks`` / ``kv_blocks``) are refused: a query of chunk ``j``
+        may see the rest of its block in chunk ``j + 1``, which this form never reads.
         """
+        if q_blocks is not None or kv_blocks is not None:
+            raise ValueError(f"{self.name} attention: the windowed form of packed prompts cannot honour "
+                             f"q_blocks/kv_blocks (a block may reach into a later chunk of {window} queries); "
+                             f"call the backend on the whole row")
         b, hq, s, d = q.shape
         if b != 1 or s % window or k.shape[2] != s:
             raise ValueError(f"{self.name} attention: a window of {window} needs one packed row whose length is "
@@ -127,10 +137,10 @@ class AttentionBackend:
 
     @staticmethod
     def _folded(b, sq, skv, groups, device, causal, q_segment_ids, kv_segment_ids, q_positions, kv_lengths,
-                sliding_window=None):
+                sliding_window=None, q_blocks=None, kv_blocks=None):
         mask = visibility_mask(b, sq, skv, device, causal=causal, q_segment_ids=q_segment_ids,
                                kv_segment_ids=kv_segment_ids, q_positions=q_positions, kv_lengths=kv_lengths,
-                               sliding_window=sliding_window)
+                               sliding_window=sliding_window, q_blocks=q_blocks, kv_blocks=kv_blocks)
         if mask is not None and groups > 1:
             mask = mask.unsqueeze(2).expand(b, 1, groups, sq, skv).reshape(b, 1, groups * sq, skv)
         return mask
@@ -156,6 +166,22 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} kv heads")
 
 
+def check_blocks(causal: bool, q_blocks: torch.Tensor | None, kv_blocks: torch.Tensor | None,
+                 b: int, sq: int, skv: int) -> None:
+    """Check the bidirectional-block arguments of :mod:`mmzoo.backends` (shapes only, no values):
+    both or neither, causal attention only, ``q_blocks [b, sq]`` and ``kv_blocks [b, skv]``."""
+    if (q_blocks is None) != (kv_blocks is None):
+        raise ValueError("attention: pass both q_blocks and kv_blocks, or neither")
+    if q_blocks is None:
+        return
+    if not causal:
+        raise ValueError("attention: q_blocks/kv_blocks open blocks of causal attention; without causal every "
+                         "key is already visible")
+    if tuple(q_blocks.shape) != (b, sq) or tuple(kv_blocks.shape) != (b, skv):
+        raise ValueError(f"attention: q_blocks{tuple(q_blocks.shape)} and kv_blocks{tuple(kv_blocks.shape)} "
+                         f"must be [b, sq] = {(b, sq)} and [b, skv] = {(b, skv)}")
+
+
 def visibility_mask(
     b: int,
     sq: int,
@@ -168,16 +194,26 @@ def visibility_mask(
     q_positions: torch.Tensor | None,
     kv_lengths: torch.Tensor | None,
     sliding_window: int | None = None,
+    q_blocks: torch.Tensor | None = None,
+    kv_blocks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Boolean ``[b, 1, sq, skv]`` mask, True where a key is visible; ``None`` if all are."""
+    """Boolean ``[b, 1, sq, skv]`` mask, True where a key is visible; ``None`` if all are.
+
+    The rules of :mod:`mmzoo.backends`; with blocks, transformers' Gemma 3 masks
+    (``create_masks_for_vision_model``): ``(causal OR same block) AND sliding window``.
+    """
     mask = None
     kv_idx = torch.arange(skv, device=device)  # [skv]
     if sliding_window is not None and not causal:
         raise ValueError("attention: a sliding window applies to causal attention")
+    check_blocks(causal, q_blocks, kv_blocks, b, sq, skv)
     if causal:
         if q_positions is None:
             q_positions = (torch.arange(sq, device=device) + (skv - sq)).expand(b, sq)
         mask = kv_idx.view(1, 1, skv) <= q_positions.view(b, sq, 1)  # [b, sq, skv]
+        if q_blocks is not None:  # a block's tokens see each other both ways
+            q_blk = q_blocks.view(b, sq, 1)
+            mask = mask | ((q_blk >= 0) & (q_blk == kv_blocks.view(b, 1, skv)))
         if sliding_window is not None:  # the last sliding_window keys up to the query's own
             mask = mask & (kv_idx.view(1, 1, skv) > q_positions.view(b, sq, 1) - sliding_window)
     if (q_segment_ids is None) != (kv_segment_ids is None):

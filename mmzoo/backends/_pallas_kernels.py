@@ -9,8 +9,9 @@ Two kernels, one online-softmax step (Dao et al., "FlashAttention", 2022):
   ``(b, hkv, kv blocks)``; the ``groups * sq`` query rows that share a kv head form one tile, so
   each cache block is read once per kv head.
 
-Both take the masking arguments of :mod:`mmzoo.backends` as JAX arrays (``None`` when absent)
-and skip the kv blocks that no query of a tile can see: the index map clamps to the last
+Both take the masking arguments of :mod:`mmzoo.backends` as JAX arrays (``None`` when absent;
+bidirectional blocks, ``q_blocks``/``kv_blocks``, in the flash kernel only) and skip the kv
+blocks that no query of a tile can see: the index map clamps to the last
 needed block (no copy on TPU) and ``pl.when`` skips the arithmetic (also in interpret mode).
 In the block that holds that bound, the values past it are cut to zeros by selection
 (:func:`_fold_tile`): a KV cache row holds anything past a sequence's end, and a zero softmax
@@ -43,7 +44,8 @@ def vmem_bytes(*, rows: int, block_kv: int, head_dim: int, itemsize: int = 4) ->
     """Upper estimate of the VMEM one kernel step holds: double-buffered q/k/v/out tiles,
     float32 accumulators and the ``[rows, block_kv]`` score intermediates."""
     tiles = 2 * (2 * rows + 2 * block_kv) * head_dim * itemsize  # q, out, k, v; two buffers each
-    meta = 2 * (rows * LANES + SUBLANES * block_kv) * 4  # positions / segment ids
+    # positions, segment ids and blocks per query row; segment ids and blocks per key
+    meta = 2 * (3 * rows * LANES + 2 * SUBLANES * block_kv) * 4
     scratch = (rows * head_dim + 2 * rows * LANES) * 4  # acc, m, l
     scores = 3 * rows * block_kv * 4  # s, p and the mask
     return tiles + meta + scratch + scores
@@ -131,9 +133,10 @@ def _write_output(o_ref, m_ref, l_ref, acc_ref):
     o_ref[...] = jnp.where(seen, acc_ref[...] / l, 0.0).astype(o_ref.dtype)
 
 
-def _tile_mask(start, shape, kv_len, q_pos, window=None):
+def _tile_mask(start, shape, kv_len, q_pos, window=None, q_block=None, kv_block=None):
     """Which keys of the tile starting at key ``start`` each query row sees (``shape`` = [rows, bk]):
-    below ``kv_len`` (a partly filled cache), at most ``q_pos`` ([rows, 1], causal) and, with a
+    below ``kv_len`` (a partly filled cache), at most ``q_pos`` ([rows, 1], causal) or in the
+    row's bidirectional block (``q_block [rows, 1] == kv_block [1, bk]``, ids >= 0) and, with a
     sliding ``window``, past ``q_pos - window``; None: all."""
     if kv_len is None and q_pos is None:
         return None
@@ -141,6 +144,8 @@ def _tile_mask(start, shape, kv_len, q_pos, window=None):
     visible = None if kv_len is None else kv_idx < kv_len
     if q_pos is not None:
         rule = kv_idx <= q_pos
+        if q_block is not None:
+            rule = rule | ((q_block >= 0) & (q_block == kv_block))
         if window is not None:
             rule = rule & (kv_idx > q_pos - window)
         visible = rule if visible is None else visible & rule
@@ -148,10 +153,11 @@ def _tile_mask(start, shape, kv_len, q_pos, window=None):
 
 
 def _flash_kernel(kv_len_ref, kv_stop_ref, kv_lo_ref, *refs, block_kv, num_q_blocks, scale, causal,
-                  segments, mask_length, window):
+                  segments, mask_length, window, blocks=False):
     q_ref, k_ref, v_ref, *refs = refs
     q_pos_ref = refs.pop(0) if causal else None
     q_seg_ref, kv_seg_ref = (refs.pop(0), refs.pop(0)) if segments else (None, None)
+    q_blk_ref, kv_blk_ref = (refs.pop(0), refs.pop(0)) if blocks else (None, None)
     o_ref, m_ref, l_ref, acc_ref = refs
     bi, qi, kj = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
@@ -163,7 +169,8 @@ def _flash_kernel(kv_len_ref, kv_stop_ref, kv_lo_ref, *refs, block_kv, num_q_blo
 
     def visible():
         mask = _tile_mask(start, (q_ref.shape[0], block_kv), kv_len_ref[bi] if mask_length else None,
-                          q_pos_ref[:, :1] if causal else None, window)
+                          q_pos_ref[:, :1] if causal else None, window,
+                          *((q_blk_ref[:, :1], kv_blk_ref[:1, :]) if blocks else ()))  # [bq, 1], [1, bk]
         if segments:
             rule = q_seg_ref[:, :1] == kv_seg_ref[:1, :]  # [bq, 1] == [1, bk]
             mask = rule if mask is None else mask & rule
@@ -186,6 +193,24 @@ def _window_start(pos, window: int | None, kv_stop) -> jax.Array:
         return jnp.zeros_like(kv_stop)
     real = jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max)
     return jnp.minimum(jnp.maximum(real.min(axis=-1) - window + 1, 0), kv_stop)
+
+
+def _block_ends(q_blocks, kv_blocks, b: int, sq: int, skv: int) -> jax.Array:
+    """``[b, sq]`` int32: the last key index whose block id is the query's (``q_blocks [b, sq]``
+    against ``kv_blocks [b, skv]``), -1 for a query in no block or whose block no key has.
+
+    Ids are arbitrary integers, so no segment max over a fixed number of ids: a stable sort of
+    each row's key ids (ties keep index order) and a right-side search for each query's id,
+    O(skv log skv) per sequence, not O(sq * skv).
+    """
+    q_ids = q_blocks.astype(jnp.int32).reshape(b, sq)
+    kv_ids = kv_blocks.astype(jnp.int32).reshape(b, skv)
+    order = jnp.argsort(kv_ids, axis=1, stable=True).astype(jnp.int32)  # [b, skv] key index by (id, index)
+    sorted_ids = jnp.take_along_axis(kv_ids, order, axis=1)  # [b, skv]
+    at = jax.vmap(lambda ids, q: jnp.searchsorted(ids, q, side="right"))(sorted_ids, q_ids) - 1  # [b, sq]
+    at = jnp.clip(at, 0, skv - 1)
+    found = (q_ids >= 0) & (jnp.take_along_axis(sorted_ids, at, axis=1) == q_ids)
+    return jnp.where(found, jnp.take_along_axis(order, at, axis=1), -1)
 
 
 def _kv_lengths(kv_lengths, b: int, skv: int) -> jax.Array:
@@ -221,14 +246,17 @@ def _one_call_per_sequence_and_kv_head(call, per_seq, per_head):
 
 
 def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
-                    kv_lengths=None, *, scale: float, causal: bool, block_q: int, block_kv: int,
-                    interpret: bool, vmem_limit_bytes: int | None = None, window: int | None = None):
+                    kv_lengths=None, q_blocks=None, kv_blocks=None, *, scale: float, causal: bool, block_q: int,
+                    block_kv: int, interpret: bool, vmem_limit_bytes: int | None = None, window: int | None = None):
     """Blocked attention with the full mmzoo masking contract.
 
     Args:
         q: ``[b, hq, sq, d]``; k, v: ``[b, hkv, skv, d]`` with ``hq % hkv == 0``.
         q_segment_ids / kv_segment_ids: ``[b, sq]`` / ``[b, skv]`` or None (both or neither).
         q_positions: ``[b, sq]`` or None; kv_lengths: ``[b]`` or None.
+        q_blocks / kv_blocks: ``[b, sq]`` / ``[b, skv]`` bidirectional block ids (causal only; -1:
+            none) or None (both or neither): a query also sees the keys of its own block, past its
+            position too; each q tile reads up to the last key of its rows' blocks.
         window: a sliding window (causal only): a query at position ``p`` sees keys ``p - window
             < j <= p``; the kv tiles wholly below every row's window are skipped.
         block_q: query rows per tile (a multiple of 8); block_kv: keys per tile (a multiple of 128).
@@ -242,6 +270,9 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, q_position
     hkv, skv = k.shape[1], k.shape[2]
     groups = hq // hkv
     segments = q_segment_ids is not None
+    blocks = q_blocks is not None
+    if blocks and not causal:
+        raise ValueError("flash_attention: q_blocks/kv_blocks apply to causal attention")
     bq, sq_p = _block(sq, block_q)
     bk, skv_p = _block(skv, block_kv)
     nq = sq_p // bq
@@ -250,8 +281,12 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, q_position
     meta = []  # per-sequence tiles of query / key metadata
     if causal:
         pos = _pad_axis(_q_positions(q_positions, b, sq, skv), 1, sq_p, value=-1)  # [b, sq_p]
-        # A q tile needs the keys below min(kv_len, its last visible position + 1).
-        kv_stop = jnp.minimum(kv_len[:, None], pos.reshape(b, nq, bq).max(axis=2) + 1)  # [b, nq]
+        # A q tile needs the keys below min(kv_len, its last visible key + 1): a row's last
+        # visible key is its position, or the last key of its block when that lies further.
+        last = pos
+        if blocks:
+            last = jnp.maximum(last, _pad_axis(_block_ends(q_blocks, kv_blocks, b, sq, skv), 1, sq_p, value=-1))
+        kv_stop = jnp.minimum(kv_len[:, None], last.reshape(b, nq, bq).max(axis=2) + 1)  # [b, nq]
         meta.append(jnp.broadcast_to(pos[:, :, None], (b, sq_p, LANES)))
     else:
         kv_stop = jnp.broadcast_to(kv_len[:, None], (b, nq))
@@ -263,13 +298,18 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, q_position
         kv_seg = _pad_axis(kv_segment_ids.astype(jnp.int32).reshape(b, skv), 1, skv_p)
         meta.append(jnp.broadcast_to(q_seg[:, :, None], (b, sq_p, LANES)))
         meta.append(jnp.broadcast_to(kv_seg[:, None, :], (b, SUBLANES, skv_p)))
+    if blocks:  # padding rows and keys in no block (-1)
+        q_blk = _pad_axis(q_blocks.astype(jnp.int32).reshape(b, sq), 1, sq_p, value=-1)
+        kv_blk = _pad_axis(kv_blocks.astype(jnp.int32).reshape(b, skv), 1, skv_p, value=-1)
+        meta.append(jnp.broadcast_to(q_blk[:, :, None], (b, sq_p, LANES)))
+        meta.append(jnp.broadcast_to(kv_blk[:, None, :], (b, SUBLANES, skv_p)))
     q = _pad_axis(q, 2, sq_p).reshape(b, hkv, groups, sq_p, d)  # free: a kv head's q heads are adjacent
     k, v = _pad_axis(k, 2, skv_p), _pad_axis(v, 2, skv_p)
 
     call = functools.partial(
         _flash_call, bq=bq, bk=bk, scale=scale, causal=causal, segments=segments,
         mask_length=kv_lengths is not None or skv_p != skv, interpret=interpret,
-        vmem_limit_bytes=vmem_limit_bytes, window=window)
+        vmem_limit_bytes=vmem_limit_bytes, window=window, blocks=blocks)
     if interpret:
         def one(seq, heads):
             length, stop, lo, *m = seq  # [], [nq], [nq], [sq_p, 128] / [8, skv_p]
@@ -284,7 +324,7 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, q_position
 
 
 def _flash_call(kv_len, kv_stop, kv_lo, q, k, v, *meta, bq, bk, scale, causal, segments, mask_length,
-                interpret, vmem_limit_bytes, window):
+                interpret, vmem_limit_bytes, window, blocks=False):
     """The flash pallas_call on padded inputs: q ``[b, hq, sq_p, d]``, k/v ``[b, hkv, skv_p, d]``,
     kv_len ``[b]``, kv_stop and kv_lo ``[b * nq]``, meta as built by :func:`flash_attention`."""
     b, hq, sq_p, d = q.shape
@@ -304,13 +344,13 @@ def _flash_call(kv_len, kv_stop, kv_lo, q, k, v, *meta, bq, bk, scale, causal, s
     in_specs = [q_spec, kv_spec, kv_spec]
     if causal:
         in_specs.append(pl.BlockSpec((None, bq, LANES), lambda bi, h, qi, kj, *_: (bi, qi, 0)))
-    if segments:
+    for _ in range(segments + blocks):  # per-query then per-key ids: segment ids, then blocks
         in_specs.append(pl.BlockSpec((None, bq, LANES), lambda bi, h, qi, kj, *_: (bi, qi, 0)))
         in_specs.append(pl.BlockSpec((None, SUBLANES, bk), lambda bi, h, qi, kj, _, stop, lo: (
             bi, 0, kv_block(bi, qi, kj, stop, lo))))
 
-    kernel = functools.partial(_flash_kernel, block_kv=bk, num_q_blocks=nq, scale=scale,
-                               causal=causal, segments=segments, mask_length=mask_length, window=window)
+    kernel = functools.partial(_flash_kernel, block_kv=bk, num_q_blocks=nq, scale=scale, causal=causal,
+                               segments=segments, mask_length=mask_length, window=window, blocks=blocks)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),

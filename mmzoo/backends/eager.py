@@ -14,10 +14,11 @@ class EagerAttention(AttentionBackend):
     matmul_keys = True
 
     def __call__(self, q, k, v, *, scale, causal=False, q_segment_ids=None, kv_segment_ids=None,
-                 q_positions=None, kv_lengths=None, sliding_window=None):
+                 q_positions=None, kv_lengths=None, sliding_window=None, q_blocks=None, kv_blocks=None):
         check_inputs(q, k, v)
         mask = self.folded_mask(q, k, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                                q_positions=q_positions, kv_lengths=kv_lengths, sliding_window=sliding_window)
+                                q_positions=q_positions, kv_lengths=kv_lengths, sliding_window=sliding_window,
+                                q_blocks=q_blocks, kv_blocks=kv_blocks)
         q, unfold = fold_gqa(q, k)  # GQA: query heads of a kv head as its extra rows
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [b, hkv, groups * sq, skv]
         if mask is not None:

@@ -5,8 +5,9 @@ embedded in a torch_xla graph); per call only the static shapes and which maskin
 are given choose between the kernels:
 
 * xla tensors on TPU: torch_xla's ``flash_attention`` for self-attention shaped calls it
-  handles exactly (equal q/kv heads, ``sq == skv`` in whole 128-row tiles, no positions or
-  lengths), the decode kernel for decode, the flash kernel of :mod:`._pallas_kernels` otherwise.
+  handles exactly (equal q/kv heads, ``sq == skv`` in whole 128-row tiles, no positions,
+  lengths, sliding window or blocks), the decode kernel for decode (no segment ids or blocks),
+  the flash kernel of :mod:`._pallas_kernels` otherwise.
 * xla tensors elsewhere (CPU XLA): the same kernels in interpret mode, embedded in the graph.
 * plain CPU tensors (executor=eager): the same kernels run by JAX on the host, in interpret mode.
 
@@ -22,7 +23,7 @@ import jax
 import torch
 
 from mmzoo.backends import _pallas_kernels as _pk
-from mmzoo.backends._base import AttentionBackend, check_inputs
+from mmzoo.backends._base import AttentionBackend, check_blocks, check_inputs
 
 _MiB = 1 << 20
 _KERNEL_STATIC = ("scale", "causal", "block_q", "block_kv", "interpret", "vmem_limit_bytes", "window")
@@ -59,9 +60,10 @@ class PallasAttention(AttentionBackend):
             run in interpret mode (Mosaic kernels only run on a TPU).
         block_q: query rows per flash tile, a multiple of 8.
         block_kv: keys per tile (flash and decode), a multiple of 128.
-        decode_max_q: calls with at most this many queries and no segment ids take the decode
-            kernel (query heads of a kv head share one tile, blocks past each sequence's
-            length are skipped); longer ones take the flash kernel.
+        decode_max_q: calls with at most this many queries and no segment ids or bidirectional
+            blocks (``q_blocks``) take the decode kernel (query heads of a kv head share one
+            tile, blocks past each sequence's length are skipped); the others take the flash
+            kernel.
         vmem_limit_bytes: scoped VMEM the TPU compiler may use per kernel; :meth:`check_shape`
             rejects shapes whose tiles would not fit.
         use_torch_xla_flash: on TPU, let torch_xla's ``flash_attention`` take the calls it
@@ -140,7 +142,7 @@ class PallasAttention(AttentionBackend):
                     f"(or decode_max_q) or raise vmem_limit_bytes")
 
     def __call__(self, q, k, v, *, scale, causal=False, q_segment_ids=None, kv_segment_ids=None,
-                 q_positions=None, kv_lengths=None, sliding_window=None):
+                 q_positions=None, kv_lengths=None, sliding_window=None, q_blocks=None, kv_blocks=None):
         check_inputs(q, k, v)
         if (q_segment_ids is None) != (kv_segment_ids is None):
             raise ValueError("attention: pass both q_segment_ids and kv_segment_ids, or neither")
@@ -149,14 +151,18 @@ class PallasAttention(AttentionBackend):
         on_xla = q.device.type == "xla"
         if sliding_window is not None and not causal:
             raise ValueError("attention: a sliding window applies to causal attention")
-        if on_xla and self._xla_flash is not None and sliding_window is None and self._xla_flash_takes(
+        check_blocks(causal, q_blocks, kv_blocks, b, sq, skv)
+        blocks = q_blocks is not None
+        if on_xla and self._xla_flash is not None and sliding_window is None and not blocks and self._xla_flash_takes(
                 hq, hkv, sq, skv, q_positions, kv_lengths, q_segment_ids, kv_segment_ids):
             seg = None if q_segment_ids is None else q_segment_ids.to(torch.int32)
             return self._xla_flash(q, k, v, causal=causal, q_segment_ids=seg, kv_segment_ids=seg,
                                    sm_scale=float(scale), **({} if self._spmd is None else self._spmd.flash_kwargs(q)))
 
         ints = [None if t is None else t.to(torch.int32) for t in (q_positions, kv_lengths)]
-        decode = sq <= self.decode_max_q and q_segment_ids is None
+        # the decode kernel has no blocks: a decode query is in none (an executor passes None);
+        # a short call with blocks (a chunk of a prompt) takes the flash kernel
+        decode = sq <= self.decode_max_q and q_segment_ids is None and not blocks
         interpret = self.interpret or not on_xla
         static = {"scale": float(scale), "causal": bool(causal), "block_kv": self.block_kv,
                   "interpret": interpret, "vmem_limit_bytes": None if interpret else self.vmem_limit_bytes,
@@ -167,6 +173,8 @@ class PallasAttention(AttentionBackend):
             static["block_q"] = self.block_q
             segs = [None if t is None else t.to(torch.int32) for t in (q_segment_ids, kv_segment_ids)]
             fn, jitted, tensors = _pk.flash_attention, _jit_flash, (q, k, v, *segs, *ints)
+            if blocks:  # appended only when given: calls without blocks keep their exact graph
+                tensors += tuple(t.to(torch.int32) for t in (q_blocks, kv_blocks))
         if on_xla:
             if self._embed is None:
                 raise RuntimeError("pallas attention: xla tensors but torch_xla is not importable")

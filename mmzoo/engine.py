@@ -449,7 +449,7 @@ def build_model(cfg: DictConfig, *, attention=None, towers: bool = True, empty: 
         raise MmzooError(f"model.family gives {family.position_axes}-axis positions but model.lm's rotary reads {axes} "
                          f"(an M-RoPE LM needs mrope_section; a 1-D RoPE LM a family without M-RoPE)")
     tower = {family.tower: Tower(encoder=parts["encoder"], adapter=parts["adapter"])} if towers else {}
-    return family, MultimodalLM(lm=lm, towers=tower)
+    return family, MultimodalLM(lm=lm, towers=tower, bidirectional_token=family.bidirectional_token)
 
 
 def memory_plan(exe: Executor, model: MultimodalLM, dtype: str) -> dict[str, int]:

@@ -41,6 +41,8 @@ internvl_ckpt = tiny_checkpoint("internvl_ckpt", "internvl", "A random tiny Inte
                                "(InternViT on 56 px tiles + pixel shuffle + Qwen2).")
 smolvlm_ckpt = tiny_checkpoint("smolvlm_ckpt", "smolvlm", "A random tiny SmolVLMForConditionalGeneration (SigLIP on 56 px "
                               "tiles + pixel shuffle + linear + Llama).")
+gemma3_ckpt = tiny_checkpoint("gemma3_ckpt", "gemma3", "A random tiny Gemma3ForConditionalGeneration (SigLIP at 56 px + "
+                             "average pool to 4 tokens + the Gemma 3 LM with sliding and full layers).")
 qwen2_audio_ckpt = tiny_checkpoint("qwen2_audio_ckpt", "qwen2_audio", "A random tiny "
                                    "Qwen2AudioForConditionalGeneration (Whisper encoder + projector + Qwen2).")
 

@@ -89,3 +89,22 @@ def assert_refused(engine, cases, prompt: str, *, kind: str, files: list[str]) -
     pad = getattr(engine.config, f"{kind}_token_id")
     with pytest.raises(MmzooError, match=rf"prompt_token_ids has 1 {kind} placeholder.* but 2 {kind}s"):
         engine.prepare(mmzoo.Request(prompt_token_ids=[5, pad, 6], **{f"{kind}s": files[:2]}))
+
+
+def served_chat(engine, images: list[str], prompt: str, new_tokens: int) -> tuple[int, list[int]]:
+    """One greedy chat completion through the OpenAI server's app (in process, FastAPI's TestClient)
+    with ``images`` as data-URL ``image_url`` parts before ``prompt``: ``(prompt tokens, token ids)``."""
+    import base64
+
+    from fastapi.testclient import TestClient
+
+    from mmzoo.serve.app import create_app
+
+    urls = ["data:image/png;base64," + base64.b64encode(open(f, "rb").read()).decode() for f in images]
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": prompt}]
+    body = {"model": "tiny", "temperature": 0, "max_tokens": new_tokens, "ignore_eos": True, "return_token_ids": True,
+            "messages": [{"role": "user", "content": content}]}
+    with TestClient(create_app(engine, served_model_name="tiny")) as client:
+        r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens"], r.json()["choices"][0]["token_ids"]

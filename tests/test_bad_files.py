@@ -365,6 +365,19 @@ CONFIG_VALUES = {
         "scale_factor_not_dividing_the_tile": (_set("scale_factor", 3),
                                                r"pixel shuffle scale_factor=3 does not divide the 4 patches per side"),
     },
+    "gemma3": {
+        "vision_tower_not_siglip": (_set("vision_config.model_type", "clip_vision_model"),
+                                    CFG + r"vision_config\.model_type='clip_vision_model': model=gemma3's vision tower "
+                                          r"is SigLIP \(siglip_vision_model\)$"),
+        "tokens_per_image_not_pooling_the_grid": (_set("mm_tokens_per_image", 9),
+                                                  r"mm_tokens_per_image=9 does not pool the 4 x 4 patches"),
+        "boi_token_outside_vocab": (_set("boi_token_index", 5000),
+                                    CFG + r"boi_token_index=5000 is not a token id of the vocabulary"),
+        "attention_softcapping": (_set("text_config.attn_logit_softcapping", 50.0),
+                                  r"attn_logit_softcapping=50\.0 is not supported"),
+        "bidirectional_text_model": (_set("text_config.use_bidirectional_attention", True),
+                                     CFG + r"text_config\.use_bidirectional_attention=true \(an embedding model\)"),
+    },
     "qwen2_audio": {
         "tie_word_embeddings_string": (_set("tie_word_embeddings", "yes"),
                                        CFG + r'tie_word_embeddings="yes" must be true or false$'),

@@ -34,6 +34,7 @@ TINY = {
     "audio_projector": {"in_dim": 32, "out_dim": 48},
     "pixel_shuffle": {"in_dim": 32, "out_dim": 48, "image_size": 56, "patch_size": 14},
     "pixel_shuffle_linear": {"in_dim": 32, "out_dim": 48, "image_size": 56, "patch_size": 14},
+    "avg_pool_projector": {"in_dim": 32, "out_dim": 48, "image_size": 56, "patch_size": 14, "tokens_per_image": 4},
     **{lm: {"vocab_size": 64, "dim": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "intermediate_dim": 64}
        for lm in ("llama", "qwen2")},
     "gemma3": {"vocab_size": 64, "dim": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8,
@@ -44,11 +45,11 @@ TINY = {
 def test_groups_have_the_expected_options():
     assert {"sdpa", "eager", "pallas"} <= set(config.options("attention"))
     assert {"eager", "xla"} <= set(config.options("executor"))
-    assert {"qwen2_vl", "llava", "qwen2_audio", "internvl", "smolvlm"} <= set(config.options("model"))
+    assert {"qwen2_vl", "llava", "qwen2_audio", "internvl", "smolvlm", "gemma3"} <= set(config.options("model"))
     assert set(config.options("encoder")) == {"qwen2_vl_vit", "qwen2_5_vl_vit", "clip_vit", "intern_vit", "siglip_vit",
                                               "whisper"}
     assert set(config.options("adapter")) == {"patch_merger", "mlp_projector", "audio_projector", "pixel_shuffle",
-                                              "pixel_shuffle_linear"}
+                                              "pixel_shuffle_linear", "avg_pool_projector"}
     assert set(config.options("lm")) == {"llama", "qwen2", "gemma3"}
 
 

@@ -56,6 +56,11 @@ CASES = {
                     {"eager": [3], "xla": [3]}, "Compare the pictures.",
                     {"progress": False, "warmup": False, "buckets": {"min_encoder_rows": 64, "max_encoder_rows": 64},
                      "max_batch": 2}),
+    # two images (4 tokens each, attending to each other both ways) in prompts longer than the sliding window (8)
+    "gemma3": Case("gemma3_ckpt", "image_files", "image",
+                   {"eager": [0, 2], "xla": [2]}, "Compare the two pictures please.",
+                   {"progress": False, "warmup": False, "buckets": {"min_encoder_rows": 16, "max_encoder_rows": 16},
+                    "max_batch": 2}),
     "qwen2_audio": Case("qwen2_audio_ckpt", "audio_files", "audio",
                         {"eager": [0, 1, 3], "xla": [3]}, "What do you hear?",
                         {"progress": False, "warmup": False, "buckets": {"min_encoder_rows": 64, "max_encoder_rows": 64},

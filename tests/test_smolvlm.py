@@ -176,24 +176,9 @@ def test_bad_input(smolvlm_ckpt, images):
 
 
 def test_server_chat_with_two_images_equals_transformers(smolvlm_ckpt, images):
-    """The OpenAI chat endpoint (in process) with two image_url parts answers transformers' greedy
-    tokens for the same conversation."""
-    import base64
-
-    from fastapi.testclient import TestClient
-
-    from mmzoo.serve.app import create_app
-
+    """The OpenAI chat endpoint with two image_url parts answers transformers' greedy tokens for the
+    same conversation."""
     ref = parity.reference(smolvlm_ckpt, "SmolVLMForConditionalGeneration", "image", images[1:3], [2], PROMPT,
                            new_tokens=8)[2]
-    app = create_app(parity.engine(smolvlm_ckpt, "eager"), served_model_name="tiny")
-    urls = ["data:image/png;base64," + base64.b64encode(open(f, "rb").read()).decode() for f in images[1:3]]
-    content = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": PROMPT}]
-    body = {"model": "tiny", "temperature": 0, "max_tokens": 8, "ignore_eos": True, "return_token_ids": True,
-            "messages": [{"role": "user", "content": content}]}
-    with TestClient(app) as client:
-        r = client.post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    assert r.json()["usage"]["prompt_tokens"] == len(ref["ids"])  # both images' tiles, framed
-    assert choice["token_ids"] == ref["tokens"]
+    prompt_tokens, tokens = parity.served_chat(parity.engine(smolvlm_ckpt, "eager"), images[1:3], PROMPT, 8)
+    assert prompt_tokens == len(ref["ids"]) and tokens == ref["tokens"]  # both images' tiles, framed

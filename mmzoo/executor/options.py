@@ -44,7 +44,8 @@ class BucketSpec:
         windowed_prefill: give each prefill bucket ``s`` a second graph whose attention runs in
             windows of ``w`` tokens (the bucket holding ``s / max_batch``, where ``w <= s / 8``
             divides ``s``), taken by a step whose prompts are none longer than ``w``. ``auto``:
-            when every LM attention backend computes the scores its mask hides (sdpa, eager).
+            when every LM attention backend computes the scores its mask hides (sdpa, eager) and the
+            family's placeholders attend causally (not Gemma 3's, whose runs attend both ways).
     """
 
     prefill: list[int] | None = None
@@ -113,8 +114,13 @@ class BucketSpec:
             rows = ([max_batch] if mesh else sorted({1, max_batch}) if cpu_alone else
                     doubling(min(8, max_batch), max_batch))
         windowed = self.windowed_prefill
-        if windowed == "auto":
-            windowed = not all(b.skips_masked_blocks for b in lm_backends)
+        both_ways = family is not None and family.bidirectional_token is not None
+        if windowed == "auto":  # a window cannot show a token the later keys of its run (Gemma 3's images)
+            windowed = not all(b.skips_masked_blocks for b in lm_backends) and not both_ways
+        elif windowed and both_ways:
+            raise MmzooError(f"executor.buckets.windowed_prefill=true: model={family.name}'s image tokens attend to "
+                             f"their whole run both ways, which a prefill cut into windows cannot see; use auto or "
+                             f"false")
         windows = {}
         if windowed:
             for s in prefill:

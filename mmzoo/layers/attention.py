@@ -89,7 +89,7 @@ class Attention(nn.Module):
                 :meth:`~mmzoo.backends._base.AttentionBackend.windowed` form.
             rows: ``[b, n]`` the positions of ``x`` whose outputs are wanted: every position's keys
                 and values are computed (and cached), the queries only at ``rows`` (their
-                ``q_positions`` and ``q_segment_ids`` taken at ``rows``; no window).
+                ``q_positions``, ``q_segment_ids`` and ``q_blocks`` taken at ``rows``; no window).
         """
         b, s, _ = x.shape
         if self.qkv_proj is not None:
@@ -122,8 +122,9 @@ class Attention(nn.Module):
             q, s, window = take_rows(q.transpose(1, 2), rows).transpose(1, 2), rows.shape[1], None
             qpos = kwargs.get("q_positions")
             kwargs["q_positions"] = rows if qpos is None else take_rows(qpos, rows)
-            if kwargs.get("q_segment_ids") is not None:
-                kwargs["q_segment_ids"] = take_rows(kwargs["q_segment_ids"], rows)
+            for name in ("q_segment_ids", "q_blocks"):
+                if kwargs.get(name) is not None:
+                    kwargs[name] = take_rows(kwargs[name], rows)
         if window:  # packed prompts of at most `window` tokens each (an executor's layout)
             if not self.causal:
                 raise ValueError("attention: a window applies to causal attention over packed prompts")

@@ -1,6 +1,7 @@
 """The composition (towers + LM) and the model families (what each adds to its components)."""
 
 from mmzoo.models.composition import MultimodalLM, Tower
+from mmzoo.models.gemma3 import Gemma3
 from mmzoo.models.family import TP_PLAN, Family, Media, extend_tp_plan
 from mmzoo.models.internvl import InternVL
 from mmzoo.models.llava import Llava
@@ -10,4 +11,4 @@ from mmzoo.models.qwen2_vl import Qwen2VL
 from mmzoo.models.smolvlm import SmolVLM
 
 __all__ = ["MultimodalLM", "Tower", "Family", "Media", "TP_PLAN", "extend_tp_plan", "Qwen2VL", "Qwen2_5_VL", "Llava",
-           "InternVL", "SmolVLM", "Qwen2Audio"]
+           "InternVL", "SmolVLM", "Gemma3", "Qwen2Audio"]

@@ -26,12 +26,18 @@ class MultimodalLM(nn.Module):
     Args:
         lm: a :class:`mmzoo.lms.DecoderLM`.
         towers: name -> :class:`Tower` (e.g. ``{"vision": ...}``); towers may serve several modalities.
+        bidirectional_token: a placeholder token whose runs attend to themselves both ways in a
+            prompt's forward (Gemma 3's image tokens: each image's tokens see each other, the rest
+            of the prompt stays causal): every step of more than one token passes each token's run
+            as ``q_blocks`` / ``kv_blocks`` to the attention backends (:func:`token_runs`); None:
+            plain causal attention.
     """
 
-    def __init__(self, *, lm: nn.Module, towers: dict[str, Tower]):
+    def __init__(self, *, lm: nn.Module, towers: dict[str, Tower], bidirectional_token: int | None = None):
         super().__init__()
         self.lm = lm
         self.towers = nn.ModuleDict(towers)
+        self.bidirectional_token = bidirectional_token
 
     def encode(self, tower: str, **inputs: torch.Tensor) -> torch.Tensor:
         """Run one tower: ``[rows, ...]`` inputs -> ``[embeds, lm_dim]``."""
@@ -56,5 +62,16 @@ class MultimodalLM(nn.Module):
         return torch.where((mm_index >= 0).unsqueeze(-1), rows, x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, mm_embeds=None, mm_index=None,
-                **lm_kwargs) -> torch.Tensor:
-        return self.lm(self.embed(input_ids, mm_embeds, mm_index), positions, **lm_kwargs)
+                attn_kwargs=None, **lm_kwargs) -> torch.Tensor:
+        if self.bidirectional_token is not None and input_ids.shape[1] > 1:  # a decode step's token is text
+            runs = token_runs(input_ids == self.bidirectional_token)  # [b, s], one tensor for every layer
+            attn_kwargs = {**(attn_kwargs or {}), "q_blocks": runs, "kv_blocks": runs}
+        return self.lm(self.embed(input_ids, mm_embeds, mm_index), positions, attn_kwargs=attn_kwargs, **lm_kwargs)
+
+
+def token_runs(marked: torch.Tensor) -> torch.Tensor:
+    """``marked [b, s]`` bool -> ``[b, s]`` int64: each maximal run of marked positions numbered
+    0, 1, ... along the row, -1 where unmarked (transformers' ``get_block_sequence_ids_for_mask``)."""
+    before = torch.cat([torch.zeros_like(marked[:, :1]), marked[:, :-1]], dim=1)  # [b, s]: the previous one marked
+    starts = (marked & ~before).long()
+    return torch.where(marked, torch.cumsum(starts, dim=1) - 1, torch.full_like(starts, -1))

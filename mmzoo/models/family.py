@@ -10,7 +10,8 @@ checkpoint, and a ``family`` node) plus a :class:`Family` subclass holding only 
 * what each item's placeholder becomes in a rendered prompt and in a token prompt
   (:meth:`Family.expand_placeholder`, :meth:`Family.expand_token_prompt`: its run of placeholders
   unless the family frames its items);
-* the position scheme (:meth:`Family.positions`; 1-D unless overridden);
+* the position scheme (:meth:`Family.positions`; 1-D unless overridden) and the placeholders that
+  attend both ways among their run (:attr:`Family.bidirectional_token`; none unless overridden);
 * its checkpoint's tensor names (:meth:`Family.convert_weights`) and what it relies on in the
   checkpoint's config.json and tokenizer (:meth:`Family.check_config`, :meth:`Family.check_processor`:
   a bad value is refused at load, naming the file, the field and the value);
@@ -137,6 +138,12 @@ class Family:
 
     # -- what a family defines -------------------------------------------------------------
     @property
+    def bidirectional_token(self) -> int | None:
+        """A placeholder token whose runs attend to themselves both ways in a prompt (Gemma 3's
+        image tokens; :class:`~mmzoo.models.MultimodalLM`), or None: every token attends causally."""
+        return None
+
+    @property
     def position_axes(self) -> int:
         """Rotary position axes its LM reads (1; 3 for M-RoPE)."""
         return 1
@@ -144,6 +151,11 @@ class Family:
     def placeholder(self, kind: str, processor) -> tuple[str, int]:
         """The placeholder text the chat template renders for one ``kind`` item and its token id."""
         return getattr(processor, f"{kind}_token"), int(getattr(self, f"{kind}_token_id"))
+
+    def placeholder_token(self, kind: str, processor) -> str:
+        """The text of the placeholder token (whose id is the config's ``{kind}_token_id``): the
+        rendered placeholder itself unless the family expands another (Gemma 3's ``<start_of_image>``)."""
+        return self.placeholder(kind, processor)[0]
 
     def expand_placeholder(self, kind: str, media: Media, item: int, processor) -> str:
         """The text the rendered placeholder of ``media``'s ``item`` becomes in the prompt: its count
@@ -254,7 +266,7 @@ class Family:
                              f"from {vocab_size}")
         for kind in self.modalities:
             try:
-                text, token = self.placeholder(kind, processor)
+                text, token = self.placeholder_token(kind, processor), self.placeholder(kind, processor)[1]
             except AttributeError:
                 raise MmzooError(f"the processor of {source} ({type(processor).__name__}) has no {kind} placeholder "
                                  f"({kind}_token)") from None

@@ -1,0 +1,192 @@
+"""Gemma 3's own part: fixed-size images framed by ``<start_of_image>`` / ``<end_of_image>``, attending both ways.
+
+Gemma Team, 2025, "Gemma 3 Technical Report" (arXiv:2503.19786). Checkpoints:
+``Gemma3ForConditionalGeneration``; the modules are components (``conf/model/gemma3.yaml``: the
+``siglip_vit`` encoder, the ``avg_pool_projector`` adapter, the ``gemma3`` LM).
+
+The image processor resizes each image to the tower's square input (896 px: 64 x 64 patches, pooled
+to 256 tokens); each image is one tower item of a fixed size, like Llava's. The chat template renders
+an image as ``<start_of_image>``, which the processor replaces by ``\\n\\n<start_of_image>`` + the
+image's soft tokens + ``<end_of_image>\\n\\n`` (:meth:`Gemma3.expand_placeholder`). Token prompts
+carry the framing themselves around one soft token (or the whole run) per image. During a prompt's
+forward the soft tokens of one image attend to each other both ways (transformers' ``token_type_ids``
+mask): :attr:`Gemma3.bidirectional_token`. Pan-and-scan crops are not supported (refused at load).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+from mmzoo.encoders import CLIP_RENAMES, square_side
+from mmzoo.errors import MmzooError
+from mmzoo.lms import gemma3_lm_key
+from mmzoo.models._embeds import as_embeds
+from mmzoo.models._media import load_images
+from mmzoo.models.family import Family, Media, blank_images, item_buckets
+from mmzoo.types import TowerInput
+
+
+class Gemma3(Family):
+    """Gemma 3: images through SigLIP and the average-pool projector, each image's tokens attending
+    to each other both ways.
+
+    Args:
+        name: the conf option name.
+        image_token_id: the image soft token (``image_token_index``); ``boi_token_id``,
+            ``eoi_token_id``: the tokens framing an image.
+        image_size, patch_size: the tower's input side and a patch's, in pixels.
+        in_channels: the images' channels.
+        tokens_per_image: ``mm_tokens_per_image``.
+    """
+
+    tower = "vision"
+    modalities = ("image",)
+    hf_class = "Gemma3ForConditionalGeneration"
+    tiny_checkpoint = "make_tiny_gemma3"
+    config_sections = ("text_config", "vision_config")
+
+    def __init__(self, *, name: str, image_token_id: int, boi_token_id: int, eoi_token_id: int, image_size,
+                 patch_size, in_channels: int, tokens_per_image: int):
+        super().__init__(name=name)
+        self.image_token_id, self.boi_token_id, self.eoi_token_id = int(image_token_id), int(boi_token_id), \
+            int(eoi_token_id)
+        self.image_size, self.in_channels = square_side(image_size, "image_size"), int(in_channels)
+        self.patch_size, self.tokens_per_image = square_side(patch_size, "patch_size"), int(tokens_per_image)
+
+    @property
+    def bidirectional_token(self) -> int:
+        return self.image_token_id
+
+    # -- what the checkpoint must hold -----------------------------------------------------------
+    @classmethod
+    def check_config(cls, config, raw: dict, source: str) -> None:
+        """The base's checks, a SigLIP tower without its pooling head, and a text model of causal
+        attention (EmbeddingGemma's ``use_bidirectional_attention`` is not Gemma 3's generator)."""
+        super().check_config(config, raw, source)
+        kind = config.vision_config.model_type
+        if kind != "siglip_vision_model":
+            raise MmzooError(f"{source}: vision_config.model_type={kind!r}: model=gemma3's vision tower is SigLIP "
+                             f"(siglip_vision_model)")
+        if getattr(config.vision_config, "vision_use_head", False):
+            raise MmzooError(f"{source}: vision_config.vision_use_head=true: Gemma 3 reads SigLIP's patch features, "
+                             f"not its pooled head")
+        if getattr(config.text_config, "use_bidirectional_attention", False):
+            raise MmzooError(f"{source}: text_config.use_bidirectional_attention=true (an embedding model): "
+                             f"model=gemma3 generates with causal attention")
+        for name in ("boi_token_index", "eoi_token_index"):
+            value = getattr(config, name)
+            if not isinstance(value, int) or not 0 <= value < config.text_config.vocab_size:
+                raise MmzooError(f"{source}: {name}={value!r} is not a token id of the vocabulary "
+                                 f"(text_config.vocab_size={config.text_config.vocab_size})")
+
+    def placeholder(self, kind: str, processor) -> tuple[str, int]:
+        """The chat template renders ``<start_of_image>`` per image; the prompt's placeholders are the
+        image soft tokens it expands to."""
+        return processor.boi_token, self.image_token_id
+
+    def placeholder_token(self, kind: str, processor) -> str:
+        """The image soft token (the tokenizer's ``image_token``), not the rendered ``<start_of_image>``."""
+        return processor.tokenizer.image_token
+
+    def check_processor(self, processor, *, vocab_size: int, source) -> None:
+        """The base's checks on the tokenizer and template, then Gemma 3's framing tokens: the
+        tokenizer's ``boi_token``, ``eoi_token`` and ``image_token`` are the config's ids, the
+        processor's ``image_seq_length`` is the projector's tokens per image, and pan-and-scan is off."""
+        tokenizer = getattr(processor, "tokenizer", None)
+        if not all(isinstance(getattr(tokenizer, a, None), str) for a in ("boi_token", "eoi_token", "image_token")):
+            raise MmzooError(f"the tokenizer of {source} does not name boi_token, eoi_token and image_token: "
+                             f"model=gemma3 frames images with Gemma3Processor's tokens")
+        for attr, want, field in (("boi_token", self.boi_token_id, "boi_token_index"),
+                                  ("eoi_token", self.eoi_token_id, "eoi_token_index"),
+                                  ("image_token", self.image_token_id, "image_token_index")):
+            got = tokenizer.convert_tokens_to_ids(getattr(tokenizer, attr))
+            if got != want:
+                raise MmzooError(f"{source}/config.json: {field}={want}, but the tokenizer's {attr} "
+                                 f"{getattr(tokenizer, attr)!r} is id {got}")
+        super().check_processor(processor, vocab_size=vocab_size, source=source)
+        per = getattr(processor, "image_seq_length", None)
+        if per != self.tokens_per_image:
+            raise MmzooError(f"{source}: the processor's image_seq_length={per!r}, but the projector gives "
+                             f"{self.tokens_per_image} tokens per image (mm_tokens_per_image)")
+        if getattr(processor.image_processor, "do_pan_and_scan", False):
+            raise MmzooError(f"{source}: the image processor has do_pan_and_scan=true: model=gemma3 does not take "
+                             f"pan-and-scan crops; set it to false in preprocessor_config.json")
+
+    # -- media -----------------------------------------------------------------------------------
+    def expand_placeholder(self, kind: str, media: Media, item: int, processor) -> str:
+        """``\\n\\n<start_of_image>`` + the image's soft tokens + ``<end_of_image>\\n\\n``, the
+        processor's ``full_image_sequence``."""
+        tok = processor.tokenizer
+        return f"\n\n{tok.boi_token}{tok.image_token * media.counts[item]}{tok.eoi_token}\n\n"
+
+    def raw_media(self, kind: str, items: list, processor) -> Media:
+        """The checkpoint's image processor: each image resized to the tower's input."""
+        out = processor.image_processor(images=load_images(items), return_tensors="np")
+        pixels = np.asarray(out["pixel_values"], np.float32)
+        want = (len(items), self.in_channels, self.image_size, self.image_size)
+        if tuple(pixels.shape) != want:
+            raise MmzooError(f"the image processor gives pixels of shape {list(pixels.shape)} but the vision tower "
+                             f"takes {list(want)}")
+        n = self.tokens_per_image
+        call = TowerInput(tower=self.tower, inputs={"pixel_values": pixels}, num_embeds=len(items) * n)
+        return Media(counts=[n] * len(items), calls=[call])
+
+    def precomputed(self, kind: str, embeds, layout, hidden_size: int) -> Media:
+        """``image_embeds [images * tokens_per_image, hidden]`` (no layout: every image has the same count)."""
+        if layout is not None:
+            raise MmzooError(f"image_grid_thw is not used by model={self.name}: every image gives "
+                             f"{self.tokens_per_image} tokens")
+        emb = as_embeds(embeds, "image_embeds", hidden=hidden_size)
+        n, per = emb.shape[0], self.tokens_per_image
+        if n % per:
+            raise MmzooError(f"image_embeds has {n} rows, not a multiple of the {per} tokens per image")
+        return Media(counts=[per] * (n // per), calls=[TowerInput(tower=self.tower, inputs={}, num_embeds=n,
+                                                                   embeds=emb)])
+
+    def embeds_items(self, tensors: dict, kind: str) -> int:
+        """Images in an embeddings file: its rows over the tokens per image."""
+        if kind == "image" and "image_embeds" in tensors:
+            return int(tensors["image_embeds"].shape[0]) // self.tokens_per_image
+        return super().embeds_items(tensors, kind)
+
+    # -- weights ---------------------------------------------------------------------------------
+    def convert_weights(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' keys (v5 ``model.vision_tower.* / model.multi_modal_projector.* /
+        model.language_model.* / lm_head.*`` or the hub's ``vision_tower.* / multi_modal_projector.* /
+        language_model.model.*``, what ``save_pretrained`` writes) -> the composition's: SigLIP under
+        CLIP's names, the projector's norm and matrix, the LM under :func:`~mmzoo.lms.gemma3_lm_key`'s
+        (Gemma's ``post_attention_layernorm`` is the attention output's norm)."""
+        out: dict[str, torch.Tensor] = {}
+        for key, value in hf.items():
+            k = re.sub(r"^model\.(vision_tower|multi_modal_projector|language_model)\.", r"\1.", key)
+            k = re.sub(r"^language_model\.model\.", "language_model.", k)
+            k = re.sub(r"^language_model\.lm_head\.", "lm_head.", k)
+            if k.startswith("vision_tower."):
+                k = k[len("vision_tower."):].removeprefix("vision_model.")
+                for pattern, repl in CLIP_RENAMES:
+                    k = re.sub(pattern, repl, k)
+                out["towers.vision.encoder." + k] = value
+            elif k == "multi_modal_projector.mm_input_projection_weight":
+                out["towers.vision.adapter.weight"] = value
+            elif k.startswith("multi_modal_projector.mm_soft_emb_norm."):
+                out["towers.vision.adapter.norm." + k.rsplit(".", 1)[1]] = value
+            elif k.startswith("language_model."):
+                out["lm." + gemma3_lm_key(k[len("language_model."):])] = value
+            elif k.startswith("lm_head."):
+                out["lm." + k] = value
+            else:
+                out[key] = value  # reported as unexpected by the strict loader
+        return out
+
+    # -- the executor's -------------------------------------------------------------------------
+    def encoder_buckets(self, *, max_model_len: int, max_media_rows: int) -> list[int]:
+        """Images per call (:func:`~mmzoo.models.family.item_buckets`)."""
+        return item_buckets(self.tokens_per_image, max_model_len=max_model_len, max_media_rows=max_media_rows)
+
+    def dummy_media(self, rows: int) -> TowerInput:
+        """``rows`` blank images."""
+        return blank_images(self.tower, rows, in_channels=self.in_channels, side=self.image_size,
+                            tokens_per_item=self.tokens_per_image)

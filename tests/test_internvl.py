@@ -2,7 +2,8 @@
 of images of several sizes against transformers' processor, the pixel shuffle against transformers'
 InternVL and Idefics3 ``pixel_shuffle``, the layer-scaled ViT's features against
 ``get_image_features`` (LayerNorm and RMSNorm towers, q/k norms, the final LayerNorm read at -1 or
-not), the weight names of both layouts, embeddings mode and the XLA warmup."""
+not), the weight names of both layouts, videos (frames as tiles, told apart from images by their order in
+the prompt), embeddings mode and the XLA warmup."""
 
 from __future__ import annotations
 
@@ -186,6 +187,64 @@ def test_bad_input(internvl_ckpt, images, tmp_path):
          r"image_grid_thw\[0\] = \[3, 4, 1\]: each tile gives 2x2 tokens"),
         (dict(image_embeds=emb, image_grid_thw=[[2, 2, 2]]),
          r"image_embeds has 12 rows but image_grid_thw \[\[2, 2, 2\]\] implies 8 \(tiles x 4 tokens per tile\)"),
-        (dict(videos=[images[:2]]), r"model=internvl does not take videos"),
+        (dict(video_embeds=emb, video_grid_thw=[[2, 2, 2]]),
+         r"video_embeds has 12 rows but video_grid_thw \[\[2, 2, 2\]\] implies 8 \(frames x 4 tokens per tile\)"),
+        (dict(prompt_token_ids=[5, 6, 7], images=images[:1], videos=[images[:1] * 2]),
+         r"prompt_token_ids: images and videos fill the same placeholder token \(id \d+\), so a token prompt cannot "
+         r"tell their items apart"),
     ]
     parity.assert_refused(parity.engine(internvl_ckpt, "eager"), cases, PROMPT, kind="image", files=images)
+
+
+@pytest.fixture(scope="module")
+def frames(tmp_path_factory):
+    """A three-frame video of 70x56 frames (each resized to one 56 px tile)."""
+    root = tmp_path_factory.mktemp("internvl_frames")
+    paths = []
+    for i in range(3):
+        paths.append(str(root / f"frame{i}.png"))
+        make_image(70, 56, seed=40 + i).save(paths[-1])
+    return paths
+
+
+def _hf_generate(ckpt, content, images, videos, new_tokens: int = 12):
+    """transformers' prompt ids and greedy tokens (EOS off) for one user turn of ``content`` parts."""
+    from PIL import Image
+
+    model, processor = _hf(ckpt)
+    model.generation_config.eos_token_id = None
+    chat = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    inputs = processor(text=[chat], images=[Image.open(f).convert("RGB") for f in images] or None,
+                       videos=[[Image.open(f).convert("RGB") for f in v] for v in videos] or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return inputs["input_ids"][0].tolist(), out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("executor", parity.EXECUTORS)
+def test_videos_and_images_in_either_order_match_transformers(internvl_ckpt, images, frames, executor):
+    """A video's frames (``FrameN: <img>...</img>``, the image placeholder token) beside an image, in
+    either order, and a video alone: transformers' prompt ids and greedy tokens."""
+    engine = parity.engine(internvl_ckpt, executor, **XLA)
+    for content, imgs in [([{"type": "video"}, {"type": "text", "text": "What happens?"}], []),
+                          ([{"type": "image"}, {"type": "video"}, {"type": "text", "text": PROMPT}], images[1:2]),
+                          ([{"type": "video"}, {"type": "image"}, {"type": "text", "text": PROMPT}], images[1:2])]:
+        ids, tokens = _hf_generate(internvl_ckpt, content, imgs, [frames])
+        out = engine.generate(mmzoo.Request(messages=[{"role": "user", "content": content}], images=imgs,
+                                            videos=[frames], max_new_tokens=12, ignore_eos=True))
+        assert out.error is None and out.prompt_token_ids == ids and out.token_ids == tokens
+
+
+def test_video_embeds_match_raw_video(internvl_ckpt, images, frames):
+    """Embeddings mode for a video (video_embeds + video_grid_thw [frames, 2, 2]) beside a raw image
+    gives the tokens of the raw video."""
+    engine = parity.engine(internvl_ckpt, "eager")
+    emb = engine.encode(videos=[frames])
+    assert emb["video_grid_thw"].tolist() == [[3, 2, 2]] and list(emb["video_embeds"].shape) == [12, 64]
+    content = [{"type": "video"}, {"type": "image"}, {"type": "text", "text": PROMPT}]
+    raw = engine.generate(mmzoo.Request(messages=[{"role": "user", "content": content}], images=images[:1],
+                                        videos=[frames], **GEN))
+    via = engine.generate(mmzoo.Request(messages=[{"role": "user", "content": content}], images=images[:1],
+                                        video_embeds=emb["video_embeds"], video_grid_thw=emb["video_grid_thw"], **GEN))
+    assert via.prompt_token_ids == raw.prompt_token_ids and via.token_ids == raw.token_ids

@@ -3,6 +3,7 @@ placeholder expansion, token-prompt placeholder runs, ``inputs_embeds`` prompts.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,9 @@ def render_prompt(processor, request: Request, kinds: list[str], placeholders: d
     ``placeholders`` maps a kind to ``(placeholder text, per-item expansions)`` (the placeholder
     repeated to the item's count, :meth:`~mmzoo.models.Family.expand_placeholder`); a text that
     already holds a placeholder string is refused, since the items could no longer be told apart.
+
+    Returns:
+        ``(ids, order)``: the token ids and each item's kind in the order the template placed them.
     """
     if request.messages is not None:
         messages = request.messages
@@ -56,6 +60,8 @@ def render_prompt(processor, request: Request, kinds: list[str], placeholders: d
                 raise MmzooError(f"{where} contains the {kind} placeholder {pad!r}; the chat template adds one per "
                                  f"{kind} given in {kind}s (or use prompt_token_ids)")
     text = _apply_chat_template(processor, messages)
+    found = sorted((m.start(), kind) for kind in kinds for m in re.finditer(re.escape(placeholders[kind][0]), text))
+    order = [kind for _, kind in found]
     for kind in kinds:
         pad, expansions = placeholders[kind]
         pieces = text.split(pad)
@@ -63,7 +69,7 @@ def render_prompt(processor, request: Request, kinds: list[str], placeholders: d
             raise MmzooError(f"the chat template rendered {len(pieces) - 1} {pad!r} placeholders for "
                              f"{len(expansions)} {kind}s")
         text = pieces[0] + "".join(item + rest for item, rest in zip(expansions, pieces[1:]))
-    return np.asarray(processor.tokenizer(text)["input_ids"], dtype=np.int64)
+    return np.asarray(processor.tokenizer(text)["input_ids"], dtype=np.int64), order
 
 
 def _apply_chat_template(processor, messages: list[dict]) -> str:

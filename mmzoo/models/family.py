@@ -9,7 +9,9 @@ checkpoint, and a ``family`` node) plus a :class:`Family` subclass holding only 
   (:meth:`Family.raw_media`), and how precomputed embeddings are counted (:meth:`Family.precomputed`);
 * what each item's placeholder becomes in a rendered prompt and in a token prompt
   (:meth:`Family.expand_placeholder`, :meth:`Family.expand_token_prompt`: its run of placeholders
-  unless the family frames its items);
+  unless the family frames its items), and which modality's placeholder token a modality's items
+  fill when it has none of its own (:attr:`Family.shared_placeholders`: InternVL's video frames
+  fill the image token; the items are then told apart by their order in the prompt);
 * the position scheme (:meth:`Family.positions`; 1-D unless overridden) and the placeholders that
   attend both ways among their run (:attr:`Family.bidirectional_token`; none unless overridden);
 * its checkpoint's tensor names (:meth:`Family.convert_weights`) and what it relies on in the
@@ -132,6 +134,9 @@ class Family:
     # config.json's sub-configs the family reads: transformers fills a missing one with defaults of
     # another size, so each must be in the file
     config_sections: ClassVar[tuple[str, ...]] = ()
+    # a modality whose items fill another's placeholder token (InternVL's video frames: {"video": "image"}):
+    # its tokens are told apart by the items' order in the prompt
+    shared_placeholders: ClassVar[dict[str, str]] = {}
 
     def __init__(self, *, name: str):
         self.name = name
@@ -149,8 +154,10 @@ class Family:
         return 1
 
     def placeholder(self, kind: str, processor) -> tuple[str, int]:
-        """The placeholder text the chat template renders for one ``kind`` item and its token id."""
-        return getattr(processor, f"{kind}_token"), int(getattr(self, f"{kind}_token_id"))
+        """The placeholder text the chat template renders for one ``kind`` item and its token id (the
+        token of the modality it shares, :attr:`shared_placeholders`)."""
+        token = getattr(self, f"{self.shared_placeholders.get(kind, kind)}_token_id")
+        return getattr(processor, f"{kind}_token"), int(token)
 
     def placeholder_token(self, kind: str, processor) -> str:
         """The text of the placeholder token (whose id is the config's ``{kind}_token_id``): the
@@ -235,7 +242,7 @@ class Family:
                              f"(layer_types): mmzoo's LMs have full_attention and sliding_attention layers")
         vocab = text.vocab_size
         seen: dict[int, str] = {}
-        for kind in cls.modalities:
+        for kind in (k for k in cls.modalities if k not in cls.shared_placeholders):
             token = getattr(config, f"{kind}_token_id", None)
             key = next((k for k in (f"{kind}_token_id", f"{kind}_token_index") if k in raw), None)
             name = key or f"{kind}_token_id"
@@ -316,25 +323,27 @@ class Family:
         if request.prompt_token_ids is not None:
             input_ids = np.asarray(request.prompt_token_ids, dtype=np.int64)
             for kind in self.modalities:
+                others = [k for k in self.modalities if k != kind and tokens[k][1] == tokens[kind][1]]
+                if others and kind not in media:
+                    continue  # its placeholder token is another modality's (InternVL's videos: the image token)
+                if any(k in media for k in others):
+                    raise MmzooError(_tell_apart(sorted([kind, *[k for k in others if k in media]]), tokens[kind][1]))
                 input_ids = self.expand_token_prompt(kind, input_ids, media.get(kind), processor)
-        else:
-            input_ids = render_prompt(processor, request, list(self.modalities),
-                                      {kind: (tokens[kind][0], [self.expand_placeholder(kind, media[kind], i, processor)
-                                                                for i in range(len(counts[kind]))])
-                                       for kind in self.modalities})
+        order = None  # each item's kind in prompt order: known for a rendered prompt
+        if request.prompt_token_ids is None:
+            input_ids, order = render_prompt(
+                processor, request, list(self.modalities),
+                {kind: (tokens[kind][0], [self.expand_placeholder(kind, media[kind], i, processor)
+                                          for i in range(len(counts[kind]))]) for kind in self.modalities})
+        places = _placeholder_positions(input_ids, {k: t for k, (_, t) in tokens.items()}, counts, order)
         mm_index = np.full(len(input_ids), -1, dtype=np.int64)
         calls: list[TowerInput] = []
         offset = 0
         for kind in self.modalities:
-            want = sum(counts[kind])
-            where = np.flatnonzero(input_ids == tokens[kind][1])
-            if len(where) != want:
-                raise MmzooError(f"prompt has {len(where)} {kind} placeholder tokens but the {len(counts[kind])} "
-                                 f"{kind}s give {want} ({counts[kind]})")
             if kind not in media:
                 continue
-            item = media[kind]
-            mm_index[where] = offset + (item.rows if item.rows is not None else np.arange(want))
+            item, where = media[kind], places[kind]
+            mm_index[where] = offset + (item.rows if item.rows is not None else np.arange(len(where)))
             offset += sum(call.num_embeds for call in item.calls)
             calls += item.calls
         positions, delta = self.positions(input_ids, media)
@@ -343,6 +352,45 @@ class Family:
                    if MEDIA_FIELDS[k][2].endswith("_lengths")}
         return Prepared(request=request, input_ids=input_ids, positions=positions, position_delta=delta,
                         mm_index=mm_index, media=calls, grids=grids, lengths=lengths)
+
+
+def _placeholder_positions(ids: np.ndarray, tokens: dict[str, int], counts: dict[str, list[int]],
+                           order: list[str] | None) -> dict[str, np.ndarray]:
+    """Each modality's placeholder positions in ``ids``: its token's, or, for modalities whose items
+    fill one token (:attr:`Family.shared_placeholders`), that token's split among the items in prompt
+    ``order`` (each item's kind; None for a token prompt, which then may hold items of one of them).
+
+    Raises:
+        MmzooError: a token's positions do not add up to its items' counts; items of modalities
+            sharing a token in a token prompt."""
+    out = {}
+    for token in dict.fromkeys(tokens.values()):
+        kinds = [k for k, t in tokens.items() if t == token]
+        where = np.flatnonzero(ids == token)
+        want = sum(sum(counts[k]) for k in kinds)
+        if len(where) != want:
+            given = " and ".join(f"the {len(counts[k])} {k}s give {sum(counts[k])} ({counts[k]})" for k in kinds)
+            names = "/".join(kinds)
+            raise MmzooError(f"prompt has {len(where)} {names} placeholder tokens but {given}")
+        present = [k for k in kinds if counts[k]]
+        if len(present) <= 1:
+            out.update({k: where if k in present else where[:0] for k in kinds})
+            continue
+        if order is None:
+            raise MmzooError(_tell_apart(present, token))
+        taken = {k: [] for k in kinds}
+        at, seen = 0, {k: 0 for k in kinds}
+        for kind in (k for k in order if k in kinds):
+            n = counts[kind][seen[kind]]
+            taken[kind].append(where[at:at + n])
+            at, seen[kind] = at + n, seen[kind] + 1
+        out.update({k: np.concatenate(v) if v else where[:0] for k, v in taken.items()})
+    return out
+
+
+def _tell_apart(kinds: list[str], token: int) -> str:
+    return (f"prompt_token_ids: {' and '.join(k + 's' for k in kinds)} fill the same placeholder token (id {token}), "
+            f"so a token prompt cannot tell their items apart; give them with a prompt or messages")
 
 
 def _given(value) -> bool:

@@ -12,10 +12,15 @@ closest to its aspect ratio and cuts it, adding a thumbnail of the whole image w
 several tiles. Each tile is one tower item of a fixed size (like Llava's images), giving
 ``(image_size / patch_size / k)^2`` LM tokens after the pixel shuffle; the tiles of all the
 request's images go through one tower call. In the prompt, each image's placeholder becomes
-``<img>`` + its tiles' tokens + ``</img>`` (:meth:`InternVL.expand_placeholder`). Token prompts
-(``prompt_token_ids``) carry the ``<img>`` / ``</img>`` tokens themselves around one placeholder
-per image. Precomputed ``image_embeds`` come with ``image_grid_thw`` rows ``[tiles, s, s]``
-(``s * s`` tokens per tile), which is what ``mmzoo.encode`` writes.
+``<img>`` + its tiles' tokens + ``</img>`` (:meth:`InternVL.expand_placeholder`). A video is its
+frames, each resized to one tile by the video processor and written as ``FrameN: <img>`` + its
+tokens + ``</img>`` with the image placeholder token (``InternVLProcessor.replace_video_token``):
+images and videos fill one token, told apart by their order in the prompt
+(:attr:`~mmzoo.models.Family.shared_placeholders`). Token prompts (``prompt_token_ids``) carry the
+``<img>`` / ``</img>`` tokens themselves around one placeholder per image (videos go through a
+prompt or messages). Precomputed ``image_embeds`` / ``video_embeds`` come with ``image_grid_thw`` /
+``video_grid_thw`` rows ``[tiles or frames, s, s]`` (``s * s`` tokens per tile), which is what
+``mmzoo.encode`` writes.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 from mmzoo.encoders import resolve_feature_layers, square_side
 from mmzoo.errors import MmzooError
 from mmzoo.models._embeds import as_embeds, as_grid
-from mmzoo.models._media import load_images
+from mmzoo.models._media import load_images, load_videos
 from mmzoo.models.family import Family, Media, blank_images, extend_tp_plan, item_buckets, lm_key
 from mmzoo.types import TowerInput
 
@@ -67,7 +72,8 @@ class InternVL(Family):
     """
 
     tower = "vision"
-    modalities = ("image",)
+    modalities = ("image", "video")
+    shared_placeholders = {"video": "image"}  # a video's frames fill the image placeholder token
     hf_class = "InternVLForConditionalGeneration"
     tiny_checkpoint = "make_tiny_internvl"
     config_sections = ("text_config", "vision_config")
@@ -113,7 +119,7 @@ class InternVL(Family):
         """The base's checks, and an InternVL processor: its ``<img>`` / ``</img>`` tokens, and its
         ``image_seq_length`` equal to the tokens a tile gives."""
         super().check_processor(processor, vocab_size=vocab_size, source=source)
-        for attr in ("start_image_token", "end_image_token"):
+        for attr in ("start_image_token", "end_image_token", "video_token"):
             if not isinstance(getattr(processor, attr, None), str):
                 raise MmzooError(f"the processor of {source} ({type(processor).__name__}) has no {attr}: "
                                  f"model=internvl frames each image's tokens with InternVLProcessor's")
@@ -124,16 +130,31 @@ class InternVL(Family):
                              f"({self.image_size} / {self.patch_size} / {self.scale_factor})^2)")
 
     # -- media -----------------------------------------------------------------------------------
+    def placeholder_token(self, kind: str, processor) -> str:
+        """The image context token, for videos too (the rendered ``<video>`` becomes frames of it)."""
+        return processor.image_token
+
     def expand_placeholder(self, kind: str, media: Media, item: int, processor) -> str:
-        """``<img>`` + the item's placeholders + ``</img>``, as ``InternVLProcessor`` writes an image."""
-        pad, _ = self.placeholder(kind, processor)
+        """``<img>`` + the item's placeholders + ``</img>``, as ``InternVLProcessor`` writes an image;
+        a video as its ``replace_video_token`` does: ``FrameN: <img>...</img>`` per frame."""
+        if kind == "video":
+            frames = np.empty(int(media.grid[item][0]))  # replace_video_token reads the frame count off its length
+            return processor.replace_video_token({"pixel_values_videos": [frames]}, 0)
+        pad = processor.image_token
         return f"{processor.start_image_token}{pad * media.counts[item]}{processor.end_image_token}"
 
     def raw_media(self, kind: str, items: list, processor) -> Media:
         """The checkpoint's image processor with InternVLProcessor's defaults (``crop_to_patches``):
-        each image's tiles (and thumbnail), one tower call for all the request's tiles."""
-        out = processor.image_processor(images=load_images(items), **processor.images_kwargs, return_tensors="np")
-        pixels, tiles = np.asarray(out["pixel_values"], np.float32), [int(n) for n in out["num_patches"]]
+        each image's tiles (and thumbnail), one tower call for all the request's tiles; its video
+        processor: each video's frames as tiles."""
+        if kind == "video":
+            videos = [np.asarray(processor.video_processor(videos=[frames], return_tensors="np")["pixel_values_videos"],
+                                 np.float32)[0] for frames in load_videos(items)]  # [frames, c, h, w] each
+            pixels, tiles = np.concatenate(videos), [len(v) for v in videos]
+        else:
+            out = processor.image_processor(images=load_images(items), **processor.images_kwargs,
+                                            return_tensors="np")
+            pixels, tiles = np.asarray(out["pixel_values"], np.float32), [int(n) for n in out["num_patches"]]
         want = (self.in_channels, self.image_size, self.image_size)
         if tuple(pixels.shape[1:]) != want:
             raise MmzooError(f"the image processor gives {list(pixels.shape[1:])} pixels per tile but the vision "
@@ -143,20 +164,22 @@ class InternVL(Family):
         return Media(counts=[n * s * s for n in tiles], calls=[call], grid=np.array([[n, s, s] for n in tiles]))
 
     def precomputed(self, kind: str, embeds, layout, hidden_size: int) -> Media:
-        """``image_embeds [sum(tiles) * s * s, hidden]`` with ``image_grid_thw`` rows ``[tiles, s, s]``."""
+        """``{kind}_embeds [sum(tiles) * s * s, hidden]`` with ``{kind}_grid_thw`` rows ``[tiles, s, s]``
+        (a video's tiles are its frames)."""
+        s, what = self.tile_side, "tiles" if kind == "image" else "frames"
         if layout is None:
-            raise MmzooError(f"image_embeds needs image_grid_thw ([tiles, {self.tile_side}, {self.tile_side}] per "
-                             f"image: model={self.name} places each image by its tiles)")
-        grid = as_grid(layout, "image_grid_thw")
-        bad = np.flatnonzero((grid[:, 1] != self.tile_side) | (grid[:, 2] != self.tile_side))
+            raise MmzooError(f"{kind}_embeds needs {kind}_grid_thw ([{what}, {s}, {s}] per {kind}: model={self.name} "
+                             f"places each {kind} by its {what})")
+        grid = as_grid(layout, f"{kind}_grid_thw")
+        bad = np.flatnonzero((grid[:, 1] != s) | (grid[:, 2] != s))
         if len(bad):
-            raise MmzooError(f"image_grid_thw[{bad[0]}] = {grid[bad[0]].tolist()}: each tile gives "
-                             f"{self.tile_side}x{self.tile_side} tokens ([tiles, {self.tile_side}, {self.tile_side}])")
-        emb = as_embeds(embeds, "image_embeds", hidden=hidden_size)
+            raise MmzooError(f"{kind}_grid_thw[{bad[0]}] = {grid[bad[0]].tolist()}: each tile gives "
+                             f"{s}x{s} tokens ([{what}, {s}, {s}])")
+        emb = as_embeds(embeds, f"{kind}_embeds", hidden=hidden_size)
         counts = [int(n) for n in grid.prod(axis=1)]
         if emb.shape[0] != sum(counts):
-            raise MmzooError(f"image_embeds has {emb.shape[0]} rows but image_grid_thw {grid.tolist()} implies "
-                             f"{sum(counts)} (tiles x {self.tokens_per_tile} tokens per tile)")
+            raise MmzooError(f"{kind}_embeds has {emb.shape[0]} rows but {kind}_grid_thw {grid.tolist()} implies "
+                             f"{sum(counts)} ({what} x {self.tokens_per_tile} tokens per tile)")
         return Media(counts=counts, grid=grid,
                      calls=[TowerInput(tower=self.tower, inputs={}, num_embeds=emb.shape[0], embeds=emb)])
 

@@ -39,6 +39,8 @@ TINY = {
        for lm in ("llama", "qwen2")},
     "gemma3": {"vocab_size": 64, "dim": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8,
                "intermediate_dim": 64, "sliding_window": 4},
+    "qwen3": {"vocab_size": 64, "dim": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8,
+              "intermediate_dim": 64, "mrope_section": [2, 1, 1], "mrope_interleaved": True},
 }
 
 
@@ -50,7 +52,7 @@ def test_groups_have_the_expected_options():
                                               "whisper"}
     assert set(config.options("adapter")) == {"patch_merger", "mlp_projector", "audio_projector", "pixel_shuffle",
                                               "pixel_shuffle_linear", "avg_pool_projector"}
-    assert set(config.options("lm")) == {"llama", "qwen2", "gemma3"}
+    assert set(config.options("lm")) == {"llama", "qwen2", "qwen3", "gemma3"}
 
 
 @pytest.mark.parametrize("group,name", [(g, n) for g in ("encoder", "adapter", "lm") for n in config.options(g)])

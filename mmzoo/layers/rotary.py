@@ -7,6 +7,9 @@ The variants differ only in which position axis drives each frequency:
   frequencies divided by a factor).
 * M-RoPE (Qwen2-VL, Wang et al., 2024): frequencies are split into sections that read the
   temporal, height and width axes in turn (``mrope_section``).
+* Interleaved M-RoPE (Qwen3-VL): the same counts per axis, dealt out round-robin (t, h, w, t, h,
+  w, ...) so that every axis gets high and low frequencies alike; the temporal axis takes the
+  frequencies left over at the top.
 * 2-D vision RoPE (Qwen2-VL's ViT): the first half of the frequencies reads the patch row,
   the second half the patch column, each half with its own frequency ladder.
 
@@ -92,12 +95,39 @@ def rope_1d(head_dim: int, theta: float, factor: float = 1.0) -> Rotary:
     return Rotary(inv, torch.zeros_like(inv, dtype=torch.long))
 
 
-def mrope(head_dim: int, theta: float, sections: list[int]) -> Rotary:
-    """Qwen2-VL's multimodal RoPE: ``sections`` frequencies each for the t, h and w axes."""
-    if sum(sections) != head_dim // 2:
-        raise ValueError(f"mrope_section {list(sections)} sums to {sum(sections)}, expected head_dim/2 = {head_dim // 2}")
+def mrope(head_dim: int, theta: float, sections: list[int], interleaved: bool = False) -> Rotary:
+    """Multimodal RoPE: ``sections`` frequencies each for the t, h and w position axes.
+
+    Args:
+        head_dim: rotated channels per head (``2 * sum(sections)``).
+        theta: the RoPE base.
+        sections: ``mrope_section``, frequencies per t/h/w axis (Qwen2-VL: ``[16, 24, 24]``;
+            Qwen3-VL: ``[24, 20, 20]``).
+        interleaved: False: consecutive sections, the first ``sections[0]`` frequencies read t,
+            the next ``sections[1]`` h, the rest w (Qwen2-VL, Qwen2.5-VL). True: Qwen3-VL's
+            interleaved layout (transformers' ``Qwen3VLTextRotaryEmbedding.recomposition_frequencies``):
+            frequency ``f`` reads h for ``f`` in ``range(1, 3 * sections[1], 3)``, w for ``f`` in
+            ``range(2, 3 * sections[2], 3)``, t otherwise; for ``[24, 20, 20]`` over 64 frequencies,
+            ``t h w t h w ... t h w`` (60 frequencies) then ``t t t t``.
+    """
+    freqs = head_dim // 2
+    if sum(sections) != freqs:
+        raise ValueError(f"mrope_section {list(sections)} sums to {sum(sections)}, expected head_dim/2 = {freqs}")
     inv = _ladder(head_dim, theta)
-    axes = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(sections)])
+    if not interleaved:
+        axes = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(sections)])
+        return Rotary(inv, axes)
+    if len(sections) != 3:
+        raise ValueError(f"interleaved mrope_section {list(sections)} must give 3 counts (t, h, w)")
+    _, h, w = sections
+    # the h and w strides must fit in the frequencies, or transformers' slices come out short of the
+    # counts asked for (and t takes the rest): refuse a table that would not hold `sections`
+    if 3 * h - 2 >= freqs or 3 * w - 1 >= freqs:
+        raise ValueError(f"interleaved mrope_section {list(sections)}: the h frequencies (every 3rd from 1, "
+                         f"{h} of them) and w frequencies (every 3rd from 2, {w}) must fit in head_dim/2 = {freqs}")
+    axes = torch.zeros(freqs, dtype=torch.long)  # t unless overwritten
+    axes[1:3 * h:3] = 1
+    axes[2:3 * w:3] = 2
     return Rotary(inv, axes)
 
 

@@ -1,6 +1,7 @@
 """Decoder-only language model: token embedding, pre-norm blocks with RoPE, final norm, LM head.
 
-One class serves Qwen2 (qkv bias, M-RoPE or 1-D RoPE), Llama (no bias, 1-D RoPE) and Gemma 3
+One class serves Qwen2 (qkv bias, M-RoPE or 1-D RoPE), Llama (no bias, 1-D RoPE), Qwen3 and
+Qwen3-VL's text model (per-head q/k RMSNorms; 1-D RoPE, or Qwen3-VL's interleaved M-RoPE) and Gemma 3
 (Gemma Team, 2025, "Gemma 3 Technical Report", arXiv:2503.19786: ``1 + w`` RMSNorms, post-norms on
 both branches, per-head q/k norms, a scaled token embedding, GeGLU, and a RoPE of its own for the
 sliding-window layers); the differences are constructor arguments. The rotary modules and the
@@ -58,6 +59,8 @@ class DecoderLM(nn.Module):
             with ``sliding_rotary``, the full-attention layers' only.
         attn_fn: the attention backend for every layer.
         qkv_bias: bias on q/k/v (Qwen2: True; Llama: False).
+        out_bias: bias on the attention output projection ``o_proj`` (Qwen3's ``attention_bias``
+            puts one on all four projections; Qwen2, Llama, Gemma 3: False).
         norm_eps: RMSNorm epsilon.
         act: MLP activation.
         tie_word_embeddings: share the LM head with the token embedding.
@@ -70,7 +73,8 @@ class DecoderLM(nn.Module):
         post_norms: each block also norms its attention and MLP outputs before the residual add
             (``post_attn_norm``, ``post_mlp_norm``: Gemma 2/3's four norms per layer).
         qk_norm_layer: ``qk_norm_layer(head_dim, eps)`` builds the per-head norms of the queries and
-            keys (``attn.q_norm``, ``attn.k_norm``, over ``head_dim``, before the rotary); None: none.
+            keys (``attn.q_norm``, ``attn.k_norm``, over ``head_dim``, before the rotary: Gemma 3's
+            ``1 + w``, Qwen3's plain :class:`~mmzoo.layers.RMSNorm`); None: none.
         attn_scale: the attention scores' factor; None: ``head_dim ** -0.5`` (Gemma 3:
             ``query_pre_attn_scalar ** -0.5``).
         embed_scale: multiply the token embeddings by this (Gemma: ``sqrt(dim)``, see
@@ -84,7 +88,7 @@ class DecoderLM(nn.Module):
 
     def __init__(self, *, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, intermediate_dim: int, rotary: Rotary, attn_fn, qkv_bias: bool,
-                 norm_eps: float, act: str = "silu", tie_word_embeddings: bool = False,
+                 norm_eps: float, act: str = "silu", out_bias: bool = False, tie_word_embeddings: bool = False,
                  layer_types: list[str] | None = None, sliding_window: int | None = None,
                  norm_layer: Callable[[int, float], nn.Module] = RMSNorm, post_norms: bool = False,
                  qk_norm_layer: Callable[[int, float], nn.Module] | None = None, attn_scale: float | None = None,
@@ -108,7 +112,7 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(
                 attn=Attention(dim=dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                               attn_fn=attn_fn, causal=True, qkv_bias=qkv_bias, out_bias=False, layer_idx=i,
+                               attn_fn=attn_fn, causal=True, qkv_bias=qkv_bias, out_bias=out_bias, layer_idx=i,
                                sliding_window=windows[i], scale=attn_scale,
                                q_norm=None if qk_norm_layer is None else qk_norm_layer(head_dim, norm_eps),
                                k_norm=None if qk_norm_layer is None else qk_norm_layer(head_dim, norm_eps),
@@ -164,6 +168,11 @@ class DecoderLM(nn.Module):
             last = cut and i == len(self.layers) - 1
             x = layer(x, rope=rope if layer.attn.sliding_window is None else local, cache=cache,
                       attn_kwargs=attn_kwargs, rows=rows if last else None)
+            # Qwen3-VL's DeepStack (not built yet) goes here: after layer i < len(deepstack), add the
+            # ViT's i-th intermediate features at the visual positions (transformers'
+            # Qwen3VLTextModel._deepstack_process); a decode step has none to add. It must come before
+            # `rows` cuts the last layer's positions, so a model whose DeepStack reaches the last
+            # layer cannot cut it.
         if rows is not None:
             x = x if cut else take_rows(x, rows)  # [b, n, dim]
             x = x[:, 0] if logits_index.dim() == 1 else x  # [b, dim] / [b, n, dim]
@@ -241,6 +250,57 @@ def llama(*, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_
                      rotary=rope_1d(head_dim, rope_theta), attn_fn=resolve(attention), qkv_bias=False,
                      norm_eps=norm_eps, act=act, tie_word_embeddings=tie_word_embeddings, layer_types=layer_types,
                      sliding_window=sliding_window)
+
+
+def qwen3(*, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_dim: int,
+          head_dim: int | None = None, rope_theta: float = 1e6, mrope_section: list[int] | None = None,
+          mrope_interleaved: bool = False, rope_type: str = "default", norm_eps: float = 1e-6, act: str = "silu",
+          tie_word_embeddings: bool = False, layer_types: list[str] | None = None, sliding_window: int | None = None,
+          attention="sdpa", attention_bias: bool = False) -> DecoderLM:
+    """The Qwen3 decoder (transformers' ``Qwen3Model``) and Qwen3-VL's text model
+    (``Qwen3VLTextModel``, without DeepStack): RMSNorm, SwiGLU, and each query and key head
+    RMS-normed over its ``head_dim`` channels (``q_norm``, ``k_norm``) before the rotary.
+
+    Args:
+        vocab_size, dim, num_layers, num_heads, num_kv_heads, intermediate_dim, head_dim: sizes
+            (``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+            ``num_key_value_heads``, ``intermediate_size``, ``head_dim``; None: ``dim / num_heads``;
+            Qwen3's configs give ``head_dim`` = 128 whatever ``dim / num_heads`` is).
+        rope_theta, rope_type: ``rope_parameters``' ``rope_theta`` and ``rope_type`` (only ``default``).
+        mrope_section: frequencies per t/h/w position axis (``rope_parameters["mrope_section"]``,
+            Qwen3-VL: ``[24, 20, 20]``); None: 1-D RoPE (Qwen3).
+        mrope_interleaved: ``rope_parameters["mrope_interleaved"]``: Qwen3-VL's interleaved M-RoPE
+            (:func:`mmzoo.layers.mrope`); False: Qwen2-VL's consecutive sections. Needs ``mrope_section``.
+        norm_eps: ``rms_norm_eps`` (every norm's, the q/k norms' too). act: ``hidden_act``.
+        tie_word_embeddings, layer_types, sliding_window: as :class:`DecoderLM`.
+        attention: the attention backend (name or object, :func:`mmzoo.backends.resolve`).
+        attention_bias: biases on ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` (Qwen3: False).
+
+    Weight names: transformers' (``Qwen3ForCausalLM``'s ``model.*``, ``Qwen3VLForConditionalGeneration``'s
+    ``model.language_model.*``) map with the Qwen2/Llama renames (``mmzoo.models.family.lm_key``);
+    the q/k norms keep theirs::
+
+        layers.N.self_attn.{q,k,v,o}_proj.weight          -> layers.N.attn.{q,k,v,o}_proj.weight
+        layers.N.self_attn.{q,k}_norm.weight              -> layers.N.attn.{q,k}_norm.weight  ([head_dim])
+        layers.N.input_layernorm.weight                   -> layers.N.norm1.weight
+        layers.N.post_attention_layernorm.weight          -> layers.N.norm2.weight
+        embed_tokens, layers.N.mlp.*, norm, lm_head       -> unchanged
+    """
+    from mmzoo.backends import resolve
+    from mmzoo.layers import mrope, rope_1d
+
+    _plain_rope(rope_type)
+    if mrope_interleaved and not mrope_section:
+        raise ValueError(f"mrope_interleaved=True needs mrope_section (got {mrope_section!r}); plain Qwen3 "
+                         f"(1-D RoPE) sets mrope_interleaved=False")
+    head_dim = head_dim or dim // num_heads
+    rotary = (mrope(head_dim, rope_theta, list(mrope_section), interleaved=mrope_interleaved) if mrope_section
+              else rope_1d(head_dim, rope_theta))
+    return DecoderLM(vocab_size=vocab_size, dim=dim, num_layers=num_layers, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_dim=intermediate_dim, rotary=rotary,
+                     attn_fn=resolve(attention), qkv_bias=attention_bias, out_bias=attention_bias, norm_eps=norm_eps,
+                     act=act, tie_word_embeddings=tie_word_embeddings, layer_types=layer_types,
+                     sliding_window=sliding_window, qk_norm_layer=RMSNorm)
 
 
 def gemma3(*, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_dim: int,

@@ -126,7 +126,9 @@ def test_bad_input(gemma3_ckpt, image_files):
          r"prompt contains the image placeholder '<start_of_image>'"),
         (dict(image_embeds=emb), r"image_embeds has 6 rows, not a multiple of the 4 tokens per image"),
         (dict(image_embeds=torch.zeros(8, 64), image_grid_thw=[[1, 2, 2]]),
-         r"image_grid_thw is not used by model=gemma3: every image gives 4 tokens"),
+         r"image_embeds has 8 rows but image_grid_thw \[\[1, 2, 2\]\] implies 4 \(views x 4 tokens per view\)"),
+        (dict(image_embeds=torch.zeros(8, 64), image_grid_thw=[[2, 1, 4]]),
+         r"image_grid_thw\[0\] = \[2, 1, 4\]: each view gives 2x2 tokens"),
         (dict(videos=[image_files[:2]]), r"model=gemma3 does not take videos"),
     ]
     parity.assert_refused(parity.engine(gemma3_ckpt, "eager"), cases, PROMPT, kind="image", files=image_files)
@@ -139,3 +141,33 @@ def test_server_chat_with_two_images_equals_transformers(gemma3_ckpt, image_file
                            new_tokens=8)[2]
     prompt_tokens, tokens = parity.served_chat(parity.engine(gemma3_ckpt, "eager"), image_files[:2], PROMPT, 8)
     assert prompt_tokens == len(ref["ids"]) and tokens == ref["tokens"]
+
+
+def test_pan_and_scan_as_the_processor_does(tmp_path):
+    """Gemma3Processor's image defaults turn pan-and-scan off even where preprocessor_config.json turns
+    it on, and so does mmzoo (transformers' tokens for a wide image); views given as embeddings
+    (``image_grid_thw`` ``[views, 2, 2]``: an image and its crops) take the processor's crop text, as
+    its ``do_pan_and_scan=True`` writes it."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from mmzoo.fixtures import make_image
+    from mmzoo.fixtures.gemma3 import make_tiny_gemma3
+
+    ckpt = make_tiny_gemma3(tmp_path / "pas", pan_and_scan=True)
+    wide = str(tmp_path / "wide.png")
+    make_image(200, 56, seed=5).save(wide)
+    ref = parity.reference(ckpt, "Gemma3ForConditionalGeneration", "image", [wide], [1], PROMPT)[1]
+    engine = parity.engine(ckpt, "eager")
+    out = engine.generate(mmzoo.Request(prompt=PROMPT, images=[wide], **GEN))
+    assert out.prompt_token_ids == ref["ids"] and out.token_ids == ref["tokens"]
+    processor = AutoProcessor.from_pretrained(ckpt)
+    content = [{"type": "image"}, {"type": "text", "text": PROMPT}]
+    chat = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    want = processor(text=[chat], images=[Image.open(wide).convert("RGB")], do_pan_and_scan=True,
+                     pan_and_scan_min_crop_size=16, return_tensors="np")
+    views = int((want["input_ids"][0] == engine.family.image_token_id).sum()) // 4
+    assert views > 2  # the wide image is cut into crops
+    prepared = engine.prepare(mmzoo.Request(prompt=PROMPT, image_embeds=torch.zeros(views * 4, 64),
+                                            image_grid_thw=[[views, 2, 2]]))
+    assert prepared.input_ids.tolist() == want["input_ids"][0].tolist()

@@ -5,12 +5,17 @@ Gemma Team, 2025, "Gemma 3 Technical Report" (arXiv:2503.19786). Checkpoints:
 ``siglip_vit`` encoder, the ``avg_pool_projector`` adapter, the ``gemma3`` LM).
 
 The image processor resizes each image to the tower's square input (896 px: 64 x 64 patches, pooled
-to 256 tokens); each image is one tower item of a fixed size, like Llava's. The chat template renders
-an image as ``<start_of_image>``, which the processor replaces by ``\\n\\n<start_of_image>`` + the
-image's soft tokens + ``<end_of_image>\\n\\n`` (:meth:`Gemma3.expand_placeholder`). Token prompts
-carry the framing themselves around one soft token (or the whole run) per image. During a prompt's
-forward the soft tokens of one image attend to each other both ways (transformers' ``token_type_ids``
-mask): :attr:`Gemma3.bidirectional_token`. Pan-and-scan crops are not supported (refused at load).
+to 256 tokens); each image is one tower item of a fixed size, like Llava's, and with pan-and-scan
+crops (``do_pan_and_scan``, which Gemma3Processor's defaults turn off) they would follow it as items
+of their own (its views). The chat template
+renders an image as ``<start_of_image>``, which the processor replaces by ``\\n\\n<start_of_image>``
++ the image's soft tokens + ``<end_of_image>\\n\\n``, or with crops by its "Here is the original
+image ... and here are some crops ..." text (its ``replace_image_token``:
+:meth:`Gemma3.expand_placeholder`). Token prompts carry the framing themselves around one soft token
+(or the whole run) per view. During a prompt's forward the soft tokens of one view attend to each
+other both ways (transformers' ``token_type_ids`` mask): :attr:`Gemma3.bidirectional_token`.
+Precomputed ``image_embeds`` may come with ``image_grid_thw`` rows ``[views, t, t]`` (``t * t``
+tokens per view; what ``mmzoo.encode`` writes); without it each image is one view.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from mmzoo.encoders import CLIP_RENAMES, square_side
 from mmzoo.errors import MmzooError
 from mmzoo.lms import gemma3_lm_key
-from mmzoo.models._embeds import as_embeds
+from mmzoo.models._embeds import as_embeds, as_grid
 from mmzoo.models._media import load_images
 from mmzoo.models.family import Family, Media, blank_images, item_buckets
 from mmzoo.types import TowerInput
@@ -94,7 +99,7 @@ class Gemma3(Family):
     def check_processor(self, processor, *, vocab_size: int, source) -> None:
         """The base's checks on the tokenizer and template, then Gemma 3's framing tokens: the
         tokenizer's ``boi_token``, ``eoi_token`` and ``image_token`` are the config's ids, the
-        processor's ``image_seq_length`` is the projector's tokens per image, and pan-and-scan is off."""
+        processor's ``image_seq_length`` is the projector's tokens per image."""
         tokenizer = getattr(processor, "tokenizer", None)
         if not all(isinstance(getattr(tokenizer, a, None), str) for a in ("boi_token", "eoi_token", "image_token")):
             raise MmzooError(f"the tokenizer of {source} does not name boi_token, eoi_token and image_token: "
@@ -111,44 +116,60 @@ class Gemma3(Family):
         if per != self.tokens_per_image:
             raise MmzooError(f"{source}: the processor's image_seq_length={per!r}, but the projector gives "
                              f"{self.tokens_per_image} tokens per image (mm_tokens_per_image)")
-        if getattr(processor.image_processor, "do_pan_and_scan", False):
-            raise MmzooError(f"{source}: the image processor has do_pan_and_scan=true: model=gemma3 does not take "
-                             f"pan-and-scan crops; set it to false in preprocessor_config.json")
 
     # -- media -----------------------------------------------------------------------------------
     def expand_placeholder(self, kind: str, media: Media, item: int, processor) -> str:
-        """``\\n\\n<start_of_image>`` + the image's soft tokens + ``<end_of_image>\\n\\n``, the
-        processor's ``full_image_sequence``."""
-        tok = processor.tokenizer
-        return f"\n\n{tok.boi_token}{tok.image_token * media.counts[item]}{tok.eoi_token}\n\n"
+        """The processor's own text for image ``item`` (``replace_image_token``): its
+        ``full_image_sequence`` (``\\n\\n<start_of_image>`` + soft tokens + ``<end_of_image>\\n\\n``),
+        once per view with its pan-and-scan crops' words around them."""
+        return processor.replace_image_token({"num_crops": [int(media.grid[item][0]) - 1]}, 0)
 
     def raw_media(self, kind: str, items: list, processor) -> Media:
-        """The checkpoint's image processor: each image resized to the tower's input."""
-        out = processor.image_processor(images=load_images(items), return_tensors="np")
+        """The checkpoint's image processor with Gemma3Processor's image defaults (as its ``__call__``
+        passes them; they turn pan-and-scan off whatever preprocessor_config.json says): each image
+        resized to the tower's input, followed by its pan-and-scan crops where it makes any."""
+        out = processor.image_processor(images=load_images(items), **processor.images_kwargs, return_tensors="np")
         pixels = np.asarray(out["pixel_values"], np.float32)
-        want = (len(items), self.in_channels, self.image_size, self.image_size)
-        if tuple(pixels.shape) != want:
-            raise MmzooError(f"the image processor gives pixels of shape {list(pixels.shape)} but the vision tower "
-                             f"takes {list(want)}")
+        crops = [int(c) for c in np.asarray(out.get("num_crops", [0] * len(items))).reshape(-1)]
+        want = (len(items) + sum(crops), self.in_channels, self.image_size, self.image_size)
+        if tuple(pixels.shape) != want or len(crops) != len(items):
+            raise MmzooError(f"the image processor gives pixels of shape {list(pixels.shape)} ({crops} crops) but the "
+                             f"vision tower takes {list(want)}")
         n = self.tokens_per_image
-        call = TowerInput(tower=self.tower, inputs={"pixel_values": pixels}, num_embeds=len(items) * n)
-        return Media(counts=[n] * len(items), calls=[call])
+        call = TowerInput(tower=self.tower, inputs={"pixel_values": pixels}, num_embeds=want[0] * n)
+        return Media(counts=[(1 + c) * n for c in crops], calls=[call], grid=self._grid([1 + c for c in crops]))
+
+    def _grid(self, views: list[int]) -> np.ndarray:
+        """``[images, 3]`` layout rows ``[views, t, t]`` (``t * t`` tokens per view)."""
+        t = round(self.tokens_per_image ** 0.5)
+        return np.array([[v, t, t] for v in views], np.int64).reshape(-1, 3)
 
     def precomputed(self, kind: str, embeds, layout, hidden_size: int) -> Media:
-        """``image_embeds [images * tokens_per_image, hidden]`` (no layout: every image has the same count)."""
-        if layout is not None:
-            raise MmzooError(f"image_grid_thw is not used by model={self.name}: every image gives "
-                             f"{self.tokens_per_image} tokens")
+        """``image_embeds [views * tokens_per_image, hidden]``, with ``image_grid_thw`` rows
+        ``[views, t, t]`` per image (an image and its pan-and-scan crops) or without: one view each."""
         emb = as_embeds(embeds, "image_embeds", hidden=hidden_size)
         n, per = emb.shape[0], self.tokens_per_image
-        if n % per:
-            raise MmzooError(f"image_embeds has {n} rows, not a multiple of the {per} tokens per image")
-        return Media(counts=[per] * (n // per), calls=[TowerInput(tower=self.tower, inputs={}, num_embeds=n,
-                                                                   embeds=emb)])
+        if layout is None:
+            if n % per:
+                raise MmzooError(f"image_embeds has {n} rows, not a multiple of the {per} tokens per image")
+            views = [1] * (n // per)
+        else:
+            grid, t = as_grid(layout, "image_grid_thw"), round(per ** 0.5)
+            bad = np.flatnonzero((grid[:, 1] != t) | (grid[:, 2] != t))
+            if len(bad):
+                raise MmzooError(f"image_grid_thw[{bad[0]}] = {grid[bad[0]].tolist()}: each view gives {t}x{t} tokens "
+                                 f"([views, {t}, {t}])")
+            views = [int(v) for v in grid[:, 0]]
+            if n != sum(views) * per:
+                raise MmzooError(f"image_embeds has {n} rows but image_grid_thw {grid.tolist()} implies "
+                                 f"{sum(views) * per} (views x {per} tokens per view)")
+        return Media(counts=[v * per for v in views], grid=self._grid(views),
+                     calls=[TowerInput(tower=self.tower, inputs={}, num_embeds=n, embeds=emb)])
 
     def embeds_items(self, tensors: dict, kind: str) -> int:
-        """Images in an embeddings file: its rows over the tokens per image."""
-        if kind == "image" and "image_embeds" in tensors:
+        """Images in an embeddings file: its layout's rows, or without one its rows over the tokens
+        per image."""
+        if kind == "image" and "image_embeds" in tensors and "image_grid_thw" not in tensors:
             return int(tensors["image_embeds"].shape[0]) // self.tokens_per_image
         return super().embeds_items(tensors, kind)
 

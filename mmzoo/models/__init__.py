@@ -2,7 +2,7 @@
 
 from mmzoo.models.composition import MultimodalLM, Tower
 from mmzoo.models.gemma3 import Gemma3
-from mmzoo.models.family import TP_PLAN, Family, Media, extend_tp_plan
+from mmzoo.models.family import TP_PLAN, Family, Media, SquareItems, extend_tp_plan
 from mmzoo.models.internvl import InternVL
 from mmzoo.models.llava import Llava
 from mmzoo.models.qwen2_5_vl import Qwen2_5_VL
@@ -10,5 +10,5 @@ from mmzoo.models.qwen2_audio import Qwen2Audio
 from mmzoo.models.qwen2_vl import Qwen2VL
 from mmzoo.models.smolvlm import SmolVLM
 
-__all__ = ["MultimodalLM", "Tower", "Family", "Media", "TP_PLAN", "extend_tp_plan", "Qwen2VL", "Qwen2_5_VL", "Llava",
-           "InternVL", "SmolVLM", "Gemma3", "Qwen2Audio"]
+__all__ = ["MultimodalLM", "Tower", "Family", "SquareItems", "Media", "TP_PLAN", "extend_tp_plan", "Qwen2VL",
+           "Qwen2_5_VL", "Llava", "InternVL", "SmolVLM", "Gemma3", "Qwen2Audio"]

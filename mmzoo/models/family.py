@@ -18,7 +18,8 @@ checkpoint, and a ``family`` node) plus a :class:`Family` subclass holding only 
   checkpoint's config.json and tokenizer (:meth:`Family.check_config`, :meth:`Family.check_processor`:
   a bad value is refused at load, naming the file, the field and the value);
 * zero inputs for compiling the tower at a bucket (:meth:`Family.dummy_media`) and, where a
-  tower's input rows are whole items, those buckets (:meth:`Family.encoder_buckets`);
+  tower's input rows are whole items, those buckets (:meth:`Family.encoder_buckets`; both written
+  once for fixed-size square items, :class:`SquareItems`);
 * its tensor-parallel plan (:attr:`Family.tp_plan`, parameter-name patterns: the shared
   components' :data:`TP_PLAN`, extended by the family with its own parts', :func:`extend_tp_plan`);
 * how many items of a modality a precomputed-embeddings file holds (:meth:`Family.embeds_items`:
@@ -102,21 +103,6 @@ class Media:
     calls: list[TowerInput]
     rows: np.ndarray | None = None
     grid: np.ndarray | None = None
-
-
-def item_buckets(tokens_per_item: int, *, max_model_len: int, max_media_rows: int) -> list[int]:
-    """:meth:`Family.encoder_buckets` of a tower whose input rows are whole fixed-size items (Llava's
-    images, InternVL's and SmolVLM's tiles): doubling up to as many items as a ``max_model_len``
-    prompt holds and as the executor's media buffer of ``max_media_rows`` embeddings takes."""
-    from mmzoo.buckets import doubling
-
-    return doubling(1, max(1, min(max_model_len, max_media_rows) // tokens_per_item))
-
-
-def blank_images(tower: str, rows: int, *, in_channels: int, side: int, tokens_per_item: int) -> TowerInput:
-    """:meth:`Family.dummy_media` of such a tower: ``rows`` blank ``side x side`` images."""
-    pixels = np.zeros((rows, in_channels, side, side), np.float32)
-    return TowerInput(tower=tower, inputs={"pixel_values": pixels}, num_embeds=rows * tokens_per_item)
 
 
 class Family:
@@ -417,3 +403,26 @@ def lm_key(key: str) -> str | None:
                 new = re.sub(pattern, sub, new)
             return new
     return None
+
+
+class SquareItems(Family):
+    """A family whose tower items are fixed-size square images (Llava's images, InternVL's and
+    SmolVLM's tiles, Gemma 3's views), each giving the LM the same number of tokens: the tower's XLA
+    buckets are item counts and its compile-time inputs blank images. A subclass sets
+    ``image_size``, ``in_channels`` and ``tokens_per_item`` in its ``__init__``."""
+
+    image_size: int
+    in_channels: int
+    tokens_per_item: int
+
+    def encoder_buckets(self, *, max_model_len: int, max_media_rows: int) -> list[int]:
+        """Items per call: doubling up to as many items as a ``max_model_len`` prompt holds and as
+        the executor's media buffer of ``max_media_rows`` embeddings takes."""
+        from mmzoo.buckets import doubling
+
+        return doubling(1, max(1, min(max_model_len, max_media_rows) // self.tokens_per_item))
+
+    def dummy_media(self, rows: int) -> TowerInput:
+        """``rows`` blank items."""
+        pixels = np.zeros((rows, self.in_channels, self.image_size, self.image_size), np.float32)
+        return TowerInput(tower=self.tower, inputs={"pixel_values": pixels}, num_embeds=rows * self.tokens_per_item)

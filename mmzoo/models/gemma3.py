@@ -30,11 +30,11 @@ from mmzoo.errors import MmzooError
 from mmzoo.lms import gemma3_lm_key
 from mmzoo.models._embeds import as_embeds, as_grid
 from mmzoo.models._media import load_images
-from mmzoo.models.family import Family, Media, blank_images, item_buckets
+from mmzoo.models.family import Media, SquareItems
 from mmzoo.types import TowerInput
 
 
-class Gemma3(Family):
+class Gemma3(SquareItems):
     """Gemma 3: images through SigLIP and the average-pool projector, each image's tokens attending
     to each other both ways.
 
@@ -60,6 +60,7 @@ class Gemma3(Family):
             int(eoi_token_id)
         self.image_size, self.in_channels = square_side(image_size, "image_size"), int(in_channels)
         self.patch_size, self.tokens_per_image = square_side(patch_size, "patch_size"), int(tokens_per_image)
+        self.tokens_per_item = self.tokens_per_image  # an item is an image or one of its crops
 
     @property
     def bidirectional_token(self) -> int:
@@ -202,12 +203,4 @@ class Gemma3(Family):
                 out[key] = value  # reported as unexpected by the strict loader
         return out
 
-    # -- the executor's -------------------------------------------------------------------------
-    def encoder_buckets(self, *, max_model_len: int, max_media_rows: int) -> list[int]:
-        """Images per call (:func:`~mmzoo.models.family.item_buckets`)."""
-        return item_buckets(self.tokens_per_image, max_model_len=max_model_len, max_media_rows=max_media_rows)
 
-    def dummy_media(self, rows: int) -> TowerInput:
-        """``rows`` blank images."""
-        return blank_images(self.tower, rows, in_channels=self.in_channels, side=self.image_size,
-                            tokens_per_item=self.tokens_per_image)

@@ -34,7 +34,7 @@ from mmzoo.encoders import resolve_feature_layers, square_side
 from mmzoo.errors import MmzooError
 from mmzoo.models._embeds import as_embeds, as_grid
 from mmzoo.models._media import load_images, load_videos
-from mmzoo.models.family import Family, Media, blank_images, extend_tp_plan, item_buckets, lm_key
+from mmzoo.models.family import Media, SquareItems, extend_tp_plan, lm_key
 from mmzoo.types import TowerInput
 
 # transformers' InternVLVisionModel names -> the ClipVisionEncoder's (after the tower prefix is stripped)
@@ -55,7 +55,7 @@ _VIT_RENAMES = [
 _PROJECTOR_RENAMES = {"layer_norm.": "norm.", "linear_1.": "proj.fc1.", "linear_2.": "proj.fc2."}
 
 
-class InternVL(Family):
+class InternVL(SquareItems):
     """InternVL: images cut into fixed-size tiles (plus a thumbnail), each through InternViT and the
     pixel-shuffle projector.
 
@@ -87,7 +87,7 @@ class InternVL(Family):
         self.image_size, self.in_channels = square_side(image_size, "image_size"), int(in_channels)
         self.patch_size, self.scale_factor = square_side(patch_size, "patch_size"), int(scale_factor)
         self.tile_side = self.image_size // self.patch_size // self.scale_factor  # tokens per tile side
-        self.tokens_per_tile = self.tile_side ** 2
+        self.tokens_per_tile = self.tokens_per_item = self.tile_side ** 2  # an item is a tile
         self.num_layers = int(num_layers)
         self.depth = max(resolve_feature_layers(feature_layer, num_layers))
         self.post_norm = not mean_pooling and feature_layer == -1
@@ -216,12 +216,4 @@ class InternVL(Family):
                 out[lm_key(key) or key] = value  # anything else is reported as unexpected by the strict loader
         return out
 
-    # -- the executor's -------------------------------------------------------------------------
-    def encoder_buckets(self, *, max_model_len: int, max_media_rows: int) -> list[int]:
-        """Tiles per call (:func:`~mmzoo.models.family.item_buckets`)."""
-        return item_buckets(self.tokens_per_tile, max_model_len=max_model_len, max_media_rows=max_media_rows)
 
-    def dummy_media(self, rows: int) -> TowerInput:
-        """``rows`` blank tiles."""
-        return blank_images(self.tower, rows, in_channels=self.in_channels, side=self.image_size,
-                            tokens_per_item=self.tokens_per_tile)

@@ -23,10 +23,10 @@ from mmzoo.encoders import CLIP_RENAMES, resolve_feature_layers
 from mmzoo.errors import MmzooError
 from mmzoo.models._embeds import as_embeds
 from mmzoo.models._media import load_images
-from mmzoo.models.family import Family, Media, blank_images, extend_tp_plan, item_buckets, lm_key
+from mmzoo.models.family import Media, SquareItems, extend_tp_plan, lm_key
 from mmzoo.types import TowerInput
 
-class Llava(Family):
+class Llava(SquareItems):
     """Llava: images through a CLIP ViT read at a hidden layer.
 
     Args:
@@ -54,6 +54,7 @@ class Llava(Family):
         self.image_token_id = int(image_token_id)
         self.image_size, self.in_channels = int(image_size), int(in_channels)
         self.tokens_per_image = (image_size // patch_size) ** 2 + int(select_strategy == "full")
+        self.tokens_per_item = self.tokens_per_image  # an item is an image
 
     @classmethod
     def check_config(cls, config, raw: dict, source: str) -> None:
@@ -124,11 +125,3 @@ class Llava(Family):
                 out[lm_key(key) or key] = value  # anything else is reported as unexpected by the strict loader
         return out
 
-    def encoder_buckets(self, *, max_model_len: int, max_media_rows: int) -> list[int]:
-        """Images per call (:func:`~mmzoo.models.family.item_buckets`)."""
-        return item_buckets(self.tokens_per_image, max_model_len=max_model_len, max_media_rows=max_media_rows)
-
-    def dummy_media(self, rows: int) -> TowerInput:
-        """``rows`` blank images."""
-        return blank_images(self.tower, rows, in_channels=self.in_channels, side=self.image_size,
-                            tokens_per_item=self.tokens_per_image)

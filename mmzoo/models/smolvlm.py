@@ -33,7 +33,7 @@ from mmzoo.errors import MmzooError
 from mmzoo.models._embeds import as_embeds, as_grid
 from mmzoo.models._media import load_images
 from mmzoo.models._prompt import expand_runs
-from mmzoo.models.family import Family, Media, blank_images, item_buckets, lm_key
+from mmzoo.models.family import Media, SquareItems, lm_key
 from mmzoo.types import TowerInput
 
 VISION_TYPES = ("smolvlm_vision", "idefics3_vision")  # the towers of the two architectures (the same SigLIP)
@@ -46,7 +46,7 @@ def tiles_of(rows: int, cols: int) -> int:
     return rows * cols + 1 if rows * cols > 1 else 1
 
 
-class SmolVLM(Family):
+class SmolVLM(SquareItems):
     """SmolVLM / Idefics3: images split into fixed-size tiles plus a global view, each through
     SigLIP and the pixel-shuffle connector.
 
@@ -70,7 +70,7 @@ class SmolVLM(Family):
         self.image_size, self.in_channels = square_side(image_size, "image_size"), int(in_channels)
         self.patch_size, self.scale_factor = square_side(patch_size, "patch_size"), int(scale_factor)
         self.tile_side = self.image_size // self.patch_size // self.scale_factor  # tokens per tile side
-        self.tokens_per_tile = self.tile_side ** 2
+        self.tokens_per_tile = self.tokens_per_item = self.tile_side ** 2  # an item is a tile
 
     # -- what the checkpoint must hold -----------------------------------------------------------
     @classmethod
@@ -198,12 +198,4 @@ class SmolVLM(Family):
                 out[lm_key(key) or key] = value  # anything else is reported as unexpected by the strict loader
         return out
 
-    # -- the executor's -------------------------------------------------------------------------
-    def encoder_buckets(self, *, max_model_len: int, max_media_rows: int) -> list[int]:
-        """Tiles per call (:func:`~mmzoo.models.family.item_buckets`)."""
-        return item_buckets(self.tokens_per_tile, max_model_len=max_model_len, max_media_rows=max_media_rows)
 
-    def dummy_media(self, rows: int) -> TowerInput:
-        """``rows`` blank tiles."""
-        return blank_images(self.tower, rows, in_channels=self.in_channels, side=self.image_size,
-                            tokens_per_item=self.tokens_per_tile)

@@ -61,4 +61,23 @@ def as_grid(value: Any, field: str) -> np.ndarray:
     return g.astype(np.int64)
 
 
+def embeds_media(embeds: Any, field: str, *, hidden: int, counts: list[int], grid: np.ndarray | None, tower: str,
+                 implied: str):
+    """Precomputed embeddings of items of ``counts`` placeholder tokens each (from their layout
+    ``grid``) as a :class:`~mmzoo.models.Media` of one embeddings call; ``implied`` names what the
+    counts came from, for the message (``"tiles x 4 tokens per tile"``).
+
+    Raises:
+        MmzooError: the rows are not the counts' sum (or :func:`as_embeds`'s checks)."""
+    from mmzoo.models.family import Media
+    from mmzoo.types import TowerInput
+
+    emb = as_embeds(embeds, field, hidden=hidden)
+    if emb.shape[0] != sum(counts):
+        layout = "" if grid is None else f" {field.replace('_embeds', '_grid_thw')} {grid.tolist()}"
+        raise MmzooError(f"{field} has {emb.shape[0]} rows but{layout} implies {sum(counts)} ({implied})")
+    return Media(counts=counts, grid=grid, calls=[TowerInput(tower=tower, inputs={}, num_embeds=emb.shape[0],
+                                                             embeds=emb)])
+
+
 MAX_GRID = 1 << 16  # patches along one axis: far past any image (and the int64 products stay exact)

@@ -28,7 +28,7 @@ import torch
 from mmzoo.encoders import CLIP_RENAMES, square_side
 from mmzoo.errors import MmzooError
 from mmzoo.lms import gemma3_lm_key
-from mmzoo.models._embeds import as_embeds, as_grid
+from mmzoo.models._embeds import as_embeds, as_grid, embeds_media
 from mmzoo.models._media import load_images
 from mmzoo.models.family import Media, SquareItems
 from mmzoo.types import TowerInput
@@ -148,12 +148,12 @@ class Gemma3(SquareItems):
     def precomputed(self, kind: str, embeds, layout, hidden_size: int) -> Media:
         """``image_embeds [views * tokens_per_image, hidden]``, with ``image_grid_thw`` rows
         ``[views, t, t]`` per image (an image and its pan-and-scan crops) or without: one view each."""
-        emb = as_embeds(embeds, "image_embeds", hidden=hidden_size)
-        n, per = emb.shape[0], self.tokens_per_image
+        per = self.tokens_per_image
         if layout is None:
-            if n % per:
-                raise MmzooError(f"image_embeds has {n} rows, not a multiple of the {per} tokens per image")
-            views = [1] * (n // per)
+            emb = as_embeds(embeds, "image_embeds", hidden=hidden_size)
+            if emb.shape[0] % per:
+                raise MmzooError(f"image_embeds has {emb.shape[0]} rows, not a multiple of the {per} tokens per image")
+            views, embeds = [1] * (emb.shape[0] // per), emb
         else:
             grid, t = as_grid(layout, "image_grid_thw"), round(per ** 0.5)
             bad = np.flatnonzero((grid[:, 1] != t) | (grid[:, 2] != t))
@@ -161,11 +161,8 @@ class Gemma3(SquareItems):
                 raise MmzooError(f"image_grid_thw[{bad[0]}] = {grid[bad[0]].tolist()}: each view gives {t}x{t} tokens "
                                  f"([views, {t}, {t}])")
             views = [int(v) for v in grid[:, 0]]
-            if n != sum(views) * per:
-                raise MmzooError(f"image_embeds has {n} rows but image_grid_thw {grid.tolist()} implies "
-                                 f"{sum(views) * per} (views x {per} tokens per view)")
-        return Media(counts=[v * per for v in views], grid=self._grid(views),
-                     calls=[TowerInput(tower=self.tower, inputs={}, num_embeds=n, embeds=emb)])
+        return embeds_media(embeds, "image_embeds", hidden=hidden_size, counts=[v * per for v in views],
+                            grid=self._grid(views), tower=self.tower, implied=f"views x {per} tokens per view")
 
     def embeds_items(self, tensors: dict, kind: str) -> int:
         """Images in an embeddings file: its layout's rows, or without one its rows over the tokens

@@ -32,7 +32,7 @@ import torch
 
 from mmzoo.encoders import resolve_feature_layers, square_side
 from mmzoo.errors import MmzooError
-from mmzoo.models._embeds import as_embeds, as_grid
+from mmzoo.models._embeds import as_grid, embeds_media
 from mmzoo.models._media import load_images, load_videos
 from mmzoo.models.family import Media, SquareItems, extend_tp_plan, lm_key
 from mmzoo.types import TowerInput
@@ -175,13 +175,9 @@ class InternVL(SquareItems):
         if len(bad):
             raise MmzooError(f"{kind}_grid_thw[{bad[0]}] = {grid[bad[0]].tolist()}: each tile gives "
                              f"{s}x{s} tokens ([{what}, {s}, {s}])")
-        emb = as_embeds(embeds, f"{kind}_embeds", hidden=hidden_size)
-        counts = [int(n) for n in grid.prod(axis=1)]
-        if emb.shape[0] != sum(counts):
-            raise MmzooError(f"{kind}_embeds has {emb.shape[0]} rows but {kind}_grid_thw {grid.tolist()} implies "
-                             f"{sum(counts)} ({what} x {self.tokens_per_tile} tokens per tile)")
-        return Media(counts=counts, grid=grid,
-                     calls=[TowerInput(tower=self.tower, inputs={}, num_embeds=emb.shape[0], embeds=emb)])
+        return embeds_media(embeds, f"{kind}_embeds", hidden=hidden_size, grid=grid, tower=self.tower,
+                            counts=[int(n) for n in grid.prod(axis=1)],
+                            implied=f"{what} x {self.tokens_per_tile} tokens per tile")
 
     # -- weights ---------------------------------------------------------------------------------
     def convert_weights(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

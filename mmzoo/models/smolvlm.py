@@ -30,7 +30,7 @@ import torch
 
 from mmzoo.encoders import CLIP_RENAMES, square_side
 from mmzoo.errors import MmzooError
-from mmzoo.models._embeds import as_embeds, as_grid
+from mmzoo.models._embeds import as_grid, embeds_media
 from mmzoo.models._media import load_images
 from mmzoo.models._prompt import expand_runs
 from mmzoo.models.family import Media, SquareItems, lm_key
@@ -172,13 +172,9 @@ class SmolVLM(SquareItems):
             if n != tiles_of(r, c):
                 raise MmzooError(f"image_grid_thw[{i}] = {[n, r, c]}: an image of rows x cols tiles has rows * cols "
                                  f"+ 1 (the global view), or is one tile ([1, 1, 1])")
-        emb = as_embeds(embeds, "image_embeds", hidden=hidden_size)
-        counts = [int(n) * self.tokens_per_tile for n in grid[:, 0]]
-        if emb.shape[0] != sum(counts):
-            raise MmzooError(f"image_embeds has {emb.shape[0]} rows but image_grid_thw {grid.tolist()} implies "
-                             f"{sum(counts)} (tiles x {self.tokens_per_tile} tokens per tile)")
-        return Media(counts=counts, grid=grid,
-                     calls=[TowerInput(tower=self.tower, inputs={}, num_embeds=emb.shape[0], embeds=emb)])
+        return embeds_media(embeds, "image_embeds", hidden=hidden_size, grid=grid, tower=self.tower,
+                            counts=[int(n) * self.tokens_per_tile for n in grid[:, 0]],
+                            implied=f"tiles x {self.tokens_per_tile} tokens per tile")
 
     # -- weights ---------------------------------------------------------------------------------
     def convert_weights(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

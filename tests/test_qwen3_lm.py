@@ -314,3 +314,34 @@ def test_plain_qwen3_matches_transformers(attention_bias, layer_types):
     print(f"qwen3 bias={attention_bias} sliding={bool(layer_types)}: max |logit diff| = {diff:.3g}")
     assert want.std() > 0.3
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_deepstack_matches_transformers(hf_model, cut):
+    """DeepStack: features added to the hidden states at the visual positions after the first
+    layers (dense zeros elsewhere) give transformers' ``visual_pos_masks`` + ``deepstack_visual_embeds``
+    hidden states; with the last layer cut to one position too (3 levels for 3 layers)."""
+    ids, positions = PROMPT, POSITIONS
+    mask = torch.zeros(1, len(ids), dtype=torch.bool)
+    mask[0, 3:9] = True  # six visual positions
+    g = torch.Generator().manual_seed(7)
+    levels = [torch.randn(int(mask.sum()), SIZES["dim"], generator=g) for _ in range(SIZES["num_layers"])]
+    text_model = hf_model.model.language_model
+    with torch.no_grad():
+        hidden = text_model(input_ids=torch.tensor([ids]), position_ids=positions, visual_pos_masks=mask,
+                            deepstack_visual_embeds=levels).last_hidden_state
+        want = hf_model.lm_head(hidden)[0]  # [s, vocab]
+        plain = hf_model.lm_head(text_model(input_ids=torch.tensor([ids]), position_ids=positions).last_hidden_state)[0]
+    dense = torch.zeros(len(levels), 1, len(ids), SIZES["dim"])
+    for k, level in enumerate(levels):
+        dense[k, mask] = level
+    lm = load(build(), hf_model)
+    with torch.no_grad():
+        x = lm.embed_tokens(torch.tensor([ids]))
+        if cut:
+            got = lm(x, positions, deepstack=dense, logits_index=torch.tensor([len(ids) - 1]))[0]  # [vocab]
+            torch.testing.assert_close(got, want[-1], atol=1e-4, rtol=0)
+        else:
+            got = lm(x, positions, deepstack=dense)[0]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert (want - plain).abs().max() > 1e-2  # the features change the logits

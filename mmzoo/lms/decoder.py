@@ -137,7 +137,8 @@ class DecoderLM(nn.Module):
         return self.embed_tokens.num_embeddings
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, *, cache=None,
-                attn_kwargs=None, logits_index: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
+                attn_kwargs=None, logits_index: torch.Tensor | None = None, head: bool = True,
+                deepstack: torch.Tensor | None = None) -> torch.Tensor:
         """Run the decoder and return logits.
 
         Args:
@@ -151,6 +152,9 @@ class DecoderLM(nn.Module):
                 position's keys and values still reach ``cache``).
             head: False: return the last layer's hidden states at those positions instead, for
                 :meth:`logits` to finish (an executor running the LM head as a step of its own).
+            deepstack: ``[k, b, s, dim]`` added to the hidden states after layers ``0 .. k - 1``
+                (Qwen3-VL's DeepStack: the vision tower's intermediate features at the visual
+                positions, zeros elsewhere, which adds nothing there), or None.
 
         Returns:
             ``[b, s, vocab]`` logits, or ``[b, vocab]`` / ``[b, n, vocab]`` with ``logits_index``
@@ -168,11 +172,8 @@ class DecoderLM(nn.Module):
             last = cut and i == len(self.layers) - 1
             x = layer(x, rope=rope if layer.attn.sliding_window is None else local, cache=cache,
                       attn_kwargs=attn_kwargs, rows=rows if last else None)
-            # Qwen3-VL's DeepStack (not built yet) goes here: after layer i < len(deepstack), add the
-            # ViT's i-th intermediate features at the visual positions (transformers'
-            # Qwen3VLTextModel._deepstack_process); a decode step has none to add. It must come before
-            # `rows` cuts the last layer's positions, so a model whose DeepStack reaches the last
-            # layer cannot cut it.
+            if deepstack is not None and i < deepstack.shape[0]:  # transformers' _deepstack_process
+                x = x + (take_rows(deepstack[i], rows) if last else deepstack[i]).to(x.dtype)
         if rows is not None:
             x = x if cut else take_rows(x, rows)  # [b, n, dim]
             x = x[:, 0] if logits_index.dim() == 1 else x  # [b, dim] / [b, n, dim]

@@ -28,6 +28,8 @@ TINY = {
                    "intermediate_dim": 64},
     "siglip_vit": {"image_size": 28, "patch_size": 14, "embed_dim": 32, "num_layers": 2, "num_heads": 2,
                    "intermediate_dim": 64},
+    "qwen3_vl_vit": {"embed_dim": 32, "depth": 2, "num_heads": 2, "intermediate_dim": 64,
+                     "num_position_embeddings": 16, "deepstack_blocks": [0]},
     "whisper": {"num_mel_bins": 8, "embed_dim": 32, "depth": 1, "num_heads": 2, "ffn_dim": 64, "max_positions": 10},
     "patch_merger": {"context_dim": 32, "out_dim": 48},
     "mlp_projector": {"in_dim": 32, "out_dim": 48},
@@ -48,8 +50,8 @@ def test_groups_have_the_expected_options():
     assert {"sdpa", "eager", "pallas"} <= set(config.options("attention"))
     assert {"eager", "xla"} <= set(config.options("executor"))
     assert {"qwen2_vl", "llava", "qwen2_audio", "internvl", "smolvlm", "gemma3"} <= set(config.options("model"))
-    assert set(config.options("encoder")) == {"qwen2_vl_vit", "qwen2_5_vl_vit", "clip_vit", "intern_vit", "siglip_vit",
-                                              "whisper"}
+    assert set(config.options("encoder")) == {"qwen2_vl_vit", "qwen2_5_vl_vit", "qwen3_vl_vit", "clip_vit", "intern_vit",
+                                              "siglip_vit", "whisper"}
     assert set(config.options("adapter")) == {"patch_merger", "mlp_projector", "audio_projector", "pixel_shuffle",
                                               "pixel_shuffle_linear", "avg_pool_projector"}
     assert set(config.options("lm")) == {"llama", "qwen2", "qwen3", "gemma3"}

@@ -1,7 +1,7 @@
 """Adapters (projectors) between an encoder's features and the language model's embeddings.
 
-``conf/adapter/*.yaml`` name these as their ``_target_``: ``PatchMerger`` (Qwen2-VL),
-``mlp_projector`` (Llava), ``AudioProjector`` (Qwen2-Audio), ``pixel_shuffle_projector`` (InternVL: the shared
+``conf/adapter/*.yaml`` name these as their ``_target_``: ``PatchMerger`` (Qwen2-VL; Qwen3-VL with its DeepStack
+mergers), ``mlp_projector`` (Llava), ``AudioProjector`` (Qwen2-Audio), ``pixel_shuffle_projector`` (InternVL: the shared
 :class:`PixelShuffle` with a LayerNorm and an MLP), ``pixel_shuffle_linear`` (Idefics3 / SmolVLM: the same
 shuffle with one linear map), ``avg_pool_projector`` (Gemma 3).
 """

@@ -102,6 +102,19 @@ def test_cli(llava_ckpt, image_files, tmp_path):
     assert len(row["token_ids"]) == 5 and row["images"] == image_files[:2]
 
 
+def test_qwen3_text_model_matches_transformers(tmp_path, image_files):
+    """A Llava checkpoint with a Qwen3 text_config composes conf/lm/qwen3.yaml (plain Qwen3: 1-D RoPE,
+    per-head q/k norms) from text_config.model_type and gives transformers' tokens."""
+    from mmzoo.fixtures import make_tiny_llava
+
+    ckpt = make_tiny_llava(tmp_path / "llava_qwen3", seed=0, text_model_type="qwen3")
+    ref = hf_reference(ckpt, image_files, [2])[2]
+    engine = mmzoo.load(ckpt, executor="eager", max_model_len=256)
+    assert engine.cfg.model.lm._target_ == "mmzoo.lms.qwen3" and engine.model.lm.layers[0].attn.q_norm is not None
+    result = engine.generate(mmzoo.Request(prompt=PROMPT, images=image_files[:2], **GEN))
+    assert result.prompt_token_ids == ref["ids"] and result.token_ids == ref["tokens"]
+
+
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_qwen2_text_model_matches_transformers(llava_qwen2_ckpt, image_files, executor):
     """A Llava checkpoint with a Qwen2 text_config (LLaVA-Interleave / OneVision style): the LM

@@ -68,6 +68,12 @@ class PixelShuffle(nn.Module):
         return self.proj(x)
 
 
+def shuffled_tokens(image_size: int, patch_size: int, scale_factor: int) -> str:
+    """Why an item gives its token count after the shuffle, for messages: the formula and its numbers."""
+    return (f" ((image_size / patch_size / scale_factor)^2 = ({image_size} / {patch_size} / "
+            f"{scale_factor})^2)")
+
+
 def pixel_shuffle_projector(*, in_dim: int, out_dim: int, image_size, patch_size, scale_factor: int = 2,
                             act: str = "gelu", bias: bool = True, norm_eps: float = 1e-5) -> PixelShuffle:
     """Component builder (``conf/adapter/pixel_shuffle.yaml``): InternVL's projector

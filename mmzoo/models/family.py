@@ -422,6 +422,15 @@ class SquareItems(Family):
 
         return doubling(1, max(1, min(max_model_len, max_media_rows) // self.tokens_per_item))
 
+    def check_item_tokens(self, processor, attr: str, source, *, what: str, why: str) -> None:
+        """Refuse a processor whose placeholder count per item (its ``attr``: ``image_seq_length``,
+        ``image_seq_len``) is not ``tokens_per_item``; the message says that ``what`` gives that many
+        tokens and ``why``."""
+        per = getattr(processor, attr, None)
+        if per != self.tokens_per_item:
+            raise MmzooError(f"{source}: the processor's {attr}={per!r}, but {what} gives {self.tokens_per_item} "
+                             f"tokens{why}")
+
     def dummy_media(self, rows: int) -> TowerInput:
         """``rows`` blank items."""
         pixels = np.zeros((rows, self.in_channels, self.image_size, self.image_size), np.float32)

@@ -113,10 +113,8 @@ class Gemma3(SquareItems):
                 raise MmzooError(f"{source}/config.json: {field}={want}, but the tokenizer's {attr} "
                                  f"{getattr(tokenizer, attr)!r} is id {got}")
         super().check_processor(processor, vocab_size=vocab_size, source=source)
-        per = getattr(processor, "image_seq_length", None)
-        if per != self.tokens_per_image:
-            raise MmzooError(f"{source}: the processor's image_seq_length={per!r}, but the projector gives "
-                             f"{self.tokens_per_image} tokens per image (mm_tokens_per_image)")
+        self.check_item_tokens(processor, "image_seq_length", source, what="the projector",
+                               why=" per image (mm_tokens_per_image)")
 
     # -- media -----------------------------------------------------------------------------------
     def expand_placeholder(self, kind: str, media: Media, item: int, processor) -> str:

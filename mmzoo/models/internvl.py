@@ -30,6 +30,7 @@ import re
 import numpy as np
 import torch
 
+from mmzoo.adapters.pixel_shuffle import shuffled_tokens
 from mmzoo.encoders import resolve_feature_layers, square_side
 from mmzoo.errors import MmzooError
 from mmzoo.models._embeds import as_grid, embeds_media
@@ -123,11 +124,8 @@ class InternVL(SquareItems):
             if not isinstance(getattr(processor, attr, None), str):
                 raise MmzooError(f"the processor of {source} ({type(processor).__name__}) has no {attr}: "
                                  f"model=internvl frames each image's tokens with InternVLProcessor's")
-        per = getattr(processor, "image_seq_length", None)
-        if per != self.tokens_per_tile:
-            raise MmzooError(f"{source}: the processor's image_seq_length={per!r}, but a tile gives "
-                             f"{self.tokens_per_tile} tokens ((image_size / patch_size / scale_factor)^2 = "
-                             f"({self.image_size} / {self.patch_size} / {self.scale_factor})^2)")
+        self.check_item_tokens(processor, "image_seq_length", source, what="a tile",
+                               why=shuffled_tokens(self.image_size, self.patch_size, self.scale_factor))
 
     # -- media -----------------------------------------------------------------------------------
     def placeholder_token(self, kind: str, processor) -> str:

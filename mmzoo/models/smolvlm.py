@@ -28,6 +28,7 @@ import re
 import numpy as np
 import torch
 
+from mmzoo.adapters.pixel_shuffle import shuffled_tokens
 from mmzoo.encoders import CLIP_RENAMES, square_side
 from mmzoo.errors import MmzooError
 from mmzoo.models._embeds import as_grid, embeds_media
@@ -95,11 +96,8 @@ class SmolVLM(SquareItems):
                 not isinstance(getattr(processor, "fake_image_token", None), str):
             raise MmzooError(f"the processor of {source} ({type(processor).__name__}) does not frame image tiles: "
                              f"model=smolvlm takes SmolVLMProcessor or Idefics3Processor")
-        per = getattr(processor, "image_seq_len", None)
-        if per != self.tokens_per_tile:
-            raise MmzooError(f"{source}: the processor's image_seq_len={per!r}, but a tile gives "
-                             f"{self.tokens_per_tile} tokens ((image_size / patch_size / scale_factor)^2 = "
-                             f"({self.image_size} / {self.patch_size} / {self.scale_factor})^2)")
+        self.check_item_tokens(processor, "image_seq_len", source, what="a tile",
+                               why=shuffled_tokens(self.image_size, self.patch_size, self.scale_factor))
         tile = (getattr(processor.image_processor, "max_image_size", None) or {}).get("longest_edge")
         if tile != self.image_size:
             raise MmzooError(f"{source}: the image processor's max_image_size.longest_edge={tile!r} (its tiles' side), "

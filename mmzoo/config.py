@@ -304,6 +304,13 @@ def _feature_width(width: int, layers: Any) -> int:
     return int(width) * (len(layers) if isinstance(layers, (list, tuple, ListConfig)) else 1)
 
 
+def _len(items: Any, *, _node_) -> int:
+    """The length of a list (Qwen3-VL's DeepStack levels: ``len(deepstack_visual_indexes)``)."""
+    if not isinstance(items, (list, tuple, ListConfig)):
+        raise MmzooError(f"{_node_._get_full_key(None)}: {items!r} is not a list")
+    return len(items)
+
+
 def _reciprocal(ratio: Any, *, _node_) -> int:
     """``1 / ratio`` as an integer (InternVL's ``downsample_ratio`` 0.5 -> the pixel shuffle's 2)."""
     k = round(1 / ratio) if _positive_number(ratio) else 0
@@ -315,7 +322,7 @@ def _reciprocal(ratio: Any, *, _node_) -> int:
 def register_resolvers() -> None:
     """Register mmzoo's resolvers (idempotent; done when this module is imported)."""
     for name, fn in (("hf", _hf), ("mmzoo.asset", _asset), ("mmzoo.feature_width", _feature_width),
-                     ("mmzoo.reciprocal", _reciprocal)):
+                     ("mmzoo.reciprocal", _reciprocal), ("mmzoo.len", _len)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 

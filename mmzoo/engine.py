@@ -448,8 +448,14 @@ def build_model(cfg: DictConfig, *, attention=None, towers: bool = True, empty: 
     if family.position_axes != axes:
         raise MmzooError(f"model.family gives {family.position_axes}-axis positions but model.lm's rotary reads {axes} "
                          f"(an M-RoPE LM needs mrope_section; a 1-D RoPE LM a family without M-RoPE)")
+    levels = family.deepstack_levels
+    taps = len(getattr(parts.get("adapter"), "deepstack", None) or ()) if towers else levels
+    if taps != levels:
+        raise MmzooError(f"model.adapter gives {taps} DeepStack levels per row but model.family takes {levels} "
+                         f"(deepstack_taps and deepstack_levels must agree)")
     tower = {family.tower: Tower(encoder=parts["encoder"], adapter=parts["adapter"])} if towers else {}
-    return family, MultimodalLM(lm=lm, towers=tower, bidirectional_token=family.bidirectional_token)
+    return family, MultimodalLM(lm=lm, towers=tower, bidirectional_token=family.bidirectional_token,
+                                deepstack_levels=levels)
 
 
 def memory_plan(exe: Executor, model: MultimodalLM, dtype: str) -> dict[str, int]:
@@ -461,7 +467,7 @@ def memory_plan(exe: Executor, model: MultimodalLM, dtype: str) -> dict[str, int
     weights = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in model.parameters())
     weights += exe.layout_extra_params(model) * size
     kv = 2 * lm.num_layers * exe.max_batch * lm.num_kv_heads * exe.max_model_len * lm.head_dim * size
-    return {"weights": weights, "kv_cache": kv, "media": exe.buckets.media_rows * lm.dim * size}
+    return {"weights": weights, "kv_cache": kv, "media": exe.buckets.media_rows * model.media_width * size}
 
 
 def check_memory(exe: Executor, model: MultimodalLM, dtype: str, *, verbose: bool = False) -> dict[str, int]:

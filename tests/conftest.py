@@ -32,6 +32,8 @@ qwen2_vl_ckpt = tiny_checkpoint("qwen2_vl_ckpt", "qwen2_vl",
                                 "A random tiny Qwen2VLForConditionalGeneration + tokenizer + processor.")
 qwen2_5_vl_ckpt = tiny_checkpoint("qwen2_5_vl_ckpt", "qwen2_5_vl", "A random tiny Qwen2_5_VLForConditionalGeneration "
                                   "(windowed RMSNorm ViT) + tokenizer + processor.")
+qwen3_vl_ckpt = tiny_checkpoint("qwen3_vl_ckpt", "qwen3_vl", "A random tiny Qwen3VLForConditionalGeneration (learned "
+                                "position grid, DeepStack, interleaved M-RoPE) + tokenizer + processor.")
 llava_ckpt = tiny_checkpoint("llava_ckpt", "llava",
                              "A random tiny LlavaForConditionalGeneration (CLIP ViT + MLP projector + Llama).")
 llava_qwen2_ckpt = tiny_checkpoint("llava_qwen2_ckpt", "llava",

@@ -76,6 +76,18 @@ def reference(ckpt, hf_class: str, kind: str, files: list[str], counts, prompt, 
     return out
 
 
+def qwen_vl_inputs(processor, prompt: str, images=(), videos=()):
+    """transformers' processor inputs for one user turn of ``images`` (paths), then ``videos``
+    (lists of frames), then ``prompt``, through the chat template (the Qwen-VL families' tests)."""
+    from PIL import Image
+
+    content = [{"type": "image"}] * len(images) + [{"type": "video"}] * len(videos) + [{"type": "text", "text": prompt}]
+    chat = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    return processor(text=[chat], images=[Image.open(f).convert("RGB") for f in images] or None,
+                     videos=list(videos) or None, return_tensors="pt")
+
+
 def assert_refused(engine, cases, prompt: str, *, kind: str, files: list[str]) -> None:
     """Every ``(request fields, message pattern)`` in ``cases`` is refused at prepare time with a
     :class:`MmzooError` matching it; and token ids with one placeholder for two items are refused."""

@@ -305,6 +305,20 @@ CONFIG_VALUES = {
                                           CFG + r"vision_config\.hidden_size=32 / num_heads=16 = 2: the ViT's 2-D "
                                                 r"rotary needs a head dim divisible by 4$"),
     },
+    "qwen3_vl": {
+        "position_grid_not_square": (_set("vision_config.num_position_embeddings", 15),
+                                     CFG + r"vision_config\.num_position_embeddings=15 must be a square number \(the "
+                                           r"learned position grid is side x side\)$"),
+        "deepstack_tap_past_depth": (_set("vision_config.deepstack_visual_indexes", [0, 3]),
+                                     CFG + r"vision_config\.deepstack_visual_indexes=\[0, 3\]: 3 is not a block of "
+                                           r"the depth=3 ViT$"),
+        "more_deepstack_levels_than_layers": (_set("vision_config.deepstack_visual_indexes", [0, 1, 2, 0]),
+                                              CFG + r"4 DeepStack levels \(vision_config\.deepstack_visual_indexes\) "
+                                                    r"but the text model has 3 layers to add them to$"),
+        "merger_width": (_set("vision_config.out_hidden_size", 32),
+                         CFG + r"vision_config\.out_hidden_size=32 \(the patch merger's output width\) differs from "
+                               r"the text model's hidden_size=64$"),
+    },
     "llava": {
         "head_dim_odd": (_set("text_config.head_dim", 7),
                          CFG + r"text_config\.head_dim=7 is odd; rotary embeddings rotate pairs of channels$"),

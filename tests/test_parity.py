@@ -41,6 +41,10 @@ CASES = {
     "qwen2_5_vl": Case("qwen2_5_vl_ckpt", "image_files", "image",
                        {"eager": [2], "xla": [2]}, "Compare the two pictures.",
                        {"buckets": {"max_encoder_rows": 64}, "progress": False, "warmup": False}),
+    # two images of 8x8 and 6x8 patches (the 4x4 position grid resampled to each), two DeepStack levels
+    "qwen3_vl": Case("qwen3_vl_ckpt", "image_files", "image",
+                     {"eager": [2], "xla": [2]}, "Compare the two pictures.",
+                     {"buckets": {"max_encoder_rows": 64}, "progress": False, "warmup": False}),
     "llava": Case("llava_ckpt", "image_files", "image",
                   {"eager": [0, 1, 3], "xla": [3]}, "What shape is this?",
                   {"progress": False, "warmup": False, "buckets": {"min_encoder_rows": 64, "max_encoder_rows": 64}, "max_batch": 2}),

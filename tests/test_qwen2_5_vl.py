@@ -37,19 +37,9 @@ def frames():
     return [make_image(56, 56, seed=20 + i) for i in range(6)]
 
 
-def _hf_inputs(processor, prompt: str, images=(), videos=()):
-    from PIL import Image
-
-    content = [{"type": "image"}] * len(images) + [{"type": "video"}] * len(videos) + [{"type": "text", "text": prompt}]
-    chat = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
-    return processor(text=[chat], images=[Image.open(f).convert("RGB") for f in images] or None,
-                     videos=list(videos) or None, return_tensors="pt")
-
-
 def _hf_reference(model, processor, prompt: str, images=(), videos=()) -> dict:
     """transformers' prompt ids, prefill logits and 16 greedy tokens (EOS off)."""
-    inputs = _hf_inputs(processor, prompt, images, videos)
+    inputs = parity.qwen_vl_inputs(processor, prompt, images, videos)
     with torch.no_grad():
         logits = model(**inputs).logits[0].float().numpy()
         gen = model.generate(**inputs, max_new_tokens=16, do_sample=False, pad_token_id=0)
@@ -106,7 +96,7 @@ def test_video_seconds_come_from_the_processor(qwen2_5_vl_ckpt, hf, frames):
     """A raw video's second_per_grid_ts is the processor's (its frames carry no rate: 24 fps)."""
     _, processor = hf
     prepared = parity.engine(qwen2_5_vl_ckpt, "eager").prepare(mmzoo.Request(prompt="What happens?", videos=[frames]))
-    want = _hf_inputs(processor, "What happens?", videos=[frames])
+    want = parity.qwen_vl_inputs(processor, "What happens?", videos=[frames])
     assert prepared.grids["video"].tolist() == want["video_grid_thw"].tolist() == [[3, 6, 6]]
     assert want["second_per_grid_ts"].tolist() == pytest.approx([2 / 24])
     t = prepared.positions[0][prepared.input_ids == parity.engine(qwen2_5_vl_ckpt, "eager").family.video_token_id]
@@ -120,7 +110,7 @@ def test_embeddings_and_full_attention_blocks_match_transformers(qwen2_5_vl_ckpt
     get_video_features rows in placeholder order; with other full-attention blocks (none, both)
     too, and the choice changes the embeddings: the windows matter at these sizes."""
     model, processor = hf
-    inputs = _hf_inputs(processor, "x", images=image_files, videos=[frames])
+    inputs = parity.qwen_vl_inputs(processor, "x", images=image_files, videos=[frames])
     got = {}
     for blocks in ([1], [], [0, 1]):
         engine = mmzoo.load(qwen2_5_vl_ckpt, executor="eager", max_model_len=256,

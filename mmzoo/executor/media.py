@@ -59,9 +59,9 @@ class MediaSteps:
         media buffer; returns the number of rows written (real and padding)."""
         key, rows = self._encode_key(item)
         if item.embeds is not None:
-            emb = torch.as_tensor(item.embeds)
-            padded = torch.zeros(rows, emb.shape[1], dtype=self.dtype)
-            padded[: emb.shape[0]] = emb.to(self.dtype)
+            emb = torch.as_tensor(item.embeds)  # rows as wide as the buffer's, or the LM's (inputs_embeds)
+            padded = torch.zeros(rows, self.media.shape[1], dtype=self.dtype)
+            padded[: emb.shape[0], : emb.shape[1]] = emb.to(self.dtype)
             tower, names, tensors = None, [], [padded.to(self.device())]
         else:
             self._check_tower_positions(item)
@@ -100,7 +100,7 @@ class MediaSteps:
 
     @torch.no_grad()
     def encode_media(self, item: TowerInput) -> torch.Tensor:
-        """Run one tower alone and return its ``[num_embeds, dim]`` embeddings on the host.
+        """Run one tower alone and return its ``[num_embeds, media_width]`` embeddings on the host.
 
         The whole media buffer comes back (a transfer, not a new graph), so no shape-dependent
         slice is compiled."""

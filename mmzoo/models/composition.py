@@ -31,13 +31,24 @@ class MultimodalLM(nn.Module):
             of the prompt stays causal): every step of more than one token passes each token's run
             as ``q_blocks`` / ``kv_blocks`` to the attention backends (:func:`token_runs`); None:
             plain causal attention.
+        deepstack_levels: ``k``: each media row is ``(1 + k) * dim`` wide, the embedding that
+            replaces the token's, then ``k`` levels added to the hidden states after layers
+            ``0 .. k - 1`` at the placeholder positions (Qwen3-VL's DeepStack; text rows add
+            nothing); 0: rows are ``dim`` wide.
     """
 
-    def __init__(self, *, lm: nn.Module, towers: dict[str, Tower], bidirectional_token: int | None = None):
+    def __init__(self, *, lm: nn.Module, towers: dict[str, Tower], bidirectional_token: int | None = None,
+                 deepstack_levels: int = 0):
         super().__init__()
         self.lm = lm
         self.towers = nn.ModuleDict(towers)
         self.bidirectional_token = bidirectional_token
+        self.deepstack_levels = int(deepstack_levels)
+
+    @property
+    def media_width(self) -> int:
+        """The width of a media row (the executor's media buffer, precomputed embeddings)."""
+        return self.lm.dim * (1 + self.deepstack_levels)
 
     def encode(self, tower: str, **inputs: torch.Tensor) -> torch.Tensor:
         """Run one tower: ``[rows, ...]`` inputs -> ``[embeds, lm_dim]``."""
@@ -49,24 +60,39 @@ class MultimodalLM(nn.Module):
 
         Args:
             input_ids: ``[b, s]``.
-            mm_embeds: ``[m, dim]`` media embeddings of the batch, or None.
+            mm_embeds: ``[m, media_width]`` media embeddings of the batch, or None.
             mm_index: ``[b, s]`` row of ``mm_embeds`` for each placeholder position, -1 elsewhere.
 
         Returns:
             ``[b, s, dim]``.
         """
+        return self._merge(input_ids, mm_embeds, mm_index)[0]
+
+    def _merge(self, input_ids, mm_embeds, mm_index) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`embed`'s ``[b, s, dim]`` and the DeepStack levels ``[k, b, s, dim]`` (zeros at text
+        positions; None without levels or media)."""
         x = self.lm.embed_tokens(input_ids)
         if mm_embeds is None:
-            return x
-        rows = mm_embeds.to(x.dtype)[mm_index.clamp(min=0)]  # [b, s, dim]
-        return torch.where((mm_index >= 0).unsqueeze(-1), rows, x)
+            return x, None
+        media = (mm_index >= 0).unsqueeze(-1)  # [b, s, 1]
+        rows = mm_embeds.to(x.dtype)[mm_index.clamp(min=0)]  # [b, s, (1 + k) * dim]
+        dim = x.shape[-1]
+        merged = torch.where(media, rows[..., :dim], x)
+        if not self.deepstack_levels:
+            return merged, None
+        levels = rows[..., dim:].unflatten(-1, (self.deepstack_levels, dim))  # [b, s, k, dim]
+        levels = torch.where(media.unsqueeze(-1), levels, torch.zeros((), dtype=levels.dtype, device=levels.device))
+        return merged, levels.permute(2, 0, 1, 3)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, mm_embeds=None, mm_index=None,
                 attn_kwargs=None, **lm_kwargs) -> torch.Tensor:
         if self.bidirectional_token is not None and input_ids.shape[1] > 1:  # a decode step's token is text
             runs = token_runs(input_ids == self.bidirectional_token)  # [b, s], one tensor for every layer
             attn_kwargs = {**(attn_kwargs or {}), "q_blocks": runs, "kv_blocks": runs}
-        return self.lm(self.embed(input_ids, mm_embeds, mm_index), positions, attn_kwargs=attn_kwargs, **lm_kwargs)
+        x, deepstack = self._merge(input_ids, mm_embeds, mm_index)
+        if deepstack is not None:
+            lm_kwargs["deepstack"] = deepstack
+        return self.lm(x, positions, attn_kwargs=attn_kwargs, **lm_kwargs)
 
 
 def token_runs(marked: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,10 @@ checkpoint, and a ``family`` node) plus a :class:`Family` subclass holding only 
   unless the family frames its items), and which modality's placeholder token a modality's items
   fill when it has none of its own (:attr:`Family.shared_placeholders`: InternVL's video frames
   fill the image token; the items are then told apart by their order in the prompt);
-* the position scheme (:meth:`Family.positions`; 1-D unless overridden) and the placeholders that
-  attend both ways among their run (:attr:`Family.bidirectional_token`; none unless overridden);
+* the position scheme (:meth:`Family.positions`; 1-D unless overridden), the placeholders that
+  attend both ways among their run (:attr:`Family.bidirectional_token`; none unless overridden)
+  and the feature levels its tower rows carry for the LM's first layers
+  (:attr:`Family.deepstack_levels`, Qwen3-VL's DeepStack; none unless overridden);
 * its checkpoint's tensor names (:meth:`Family.convert_weights`) and what it relies on in the
   checkpoint's config.json and tokenizer (:meth:`Family.check_config`, :meth:`Family.check_processor`:
   a bad value is refused at load, naming the file, the field and the value);
@@ -133,6 +135,13 @@ class Family:
         """A placeholder token whose runs attend to themselves both ways in a prompt (Gemma 3's
         image tokens; :class:`~mmzoo.models.MultimodalLM`), or None: every token attends causally."""
         return None
+
+    @property
+    def deepstack_levels(self) -> int:
+        """Feature levels each tower row carries after its embedding, each added to the LM's hidden
+        states after one of its first layers at the placeholder positions (Qwen3-VL's DeepStack; a
+        row is then ``(1 + levels) * dim`` wide: :class:`~mmzoo.models.MultimodalLM`); 0: none."""
+        return 0
 
     @property
     def position_axes(self) -> int:

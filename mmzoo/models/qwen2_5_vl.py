@@ -24,7 +24,7 @@ import numpy as np
 from mmzoo.encoders import window_order
 from mmzoo.errors import MmzooError
 from mmzoo.models.family import Media
-from mmzoo.models.qwen2_vl import Qwen2VL, rope_index
+from mmzoo.models.qwen2_vl import Qwen2VL, check_vit_blocks, rope_index
 from mmzoo.types import TowerInput
 
 
@@ -76,11 +76,7 @@ class Qwen2_5_VL(Qwen2VL):
         if vc.window_size < unit:
             raise MmzooError(f"{source}: vision_config.window_size={vc.window_size} is below one merged unit "
                              f"(patch_size={vc.patch_size} x spatial_merge_size={vc.spatial_merge_size} = {unit} px)")
-        blocks = list(vc.fullatt_block_indexes)
-        bad = [i for i in blocks if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vc.depth]
-        if bad:
-            raise MmzooError(f"{source}: vision_config.fullatt_block_indexes={blocks}: {bad[0]!r} is not a block of "
-                             f"the depth={vc.depth} ViT")
+        check_vit_blocks(vc, "fullatt_block_indexes", source)
         tps = vc.tokens_per_second
         if isinstance(tps, bool) or not isinstance(tps, (int, float)) or not tps > 0:
             raise MmzooError(f"{source}: vision_config.tokens_per_second={tps!r} must be a positive number")

@@ -171,6 +171,17 @@ class Qwen2VL(Family):
                           num_embeds=rows // m2, row_multiple=m2, pad={"segment_ids": -1})
 
 
+def check_vit_blocks(vision_config, field: str, source: str) -> list[int]:
+    """``vision_config.<field>`` (a list of ViT block indexes: Qwen2.5-VL's full-attention blocks,
+    Qwen3-VL's DeepStack taps), refused unless each is a block of its ``depth``-block ViT."""
+    blocks = list(getattr(vision_config, field))
+    depth = vision_config.depth
+    bad = [i for i in blocks if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < depth]
+    if bad:
+        raise MmzooError(f"{source}: vision_config.{field}={blocks}: {bad[0]!r} is not a block of the depth={depth} ViT")
+    return blocks
+
+
 # ---------------------------------------------------------------- M-RoPE positions
 
 def rope_index(input_ids: np.ndarray, grids: dict[int, np.ndarray], *, merge_size: int,

@@ -39,6 +39,9 @@ llava_ckpt = tiny_checkpoint("llava_ckpt", "llava",
 llava_qwen2_ckpt = tiny_checkpoint("llava_qwen2_ckpt", "llava",
                                    "A tiny Llava whose text model is Qwen2 (LLaVA-Interleave / OneVision style).",
                                    text_model_type="qwen2")
+llava_onevision_ckpt = tiny_checkpoint("llava_onevision_ckpt", "llava_onevision", "A random tiny "
+                                      "LlavaOnevisionForConditionalGeneration (SigLIP on 56 px anyres tiles + packed "
+                                      "projector + Qwen2).")
 internvl_ckpt = tiny_checkpoint("internvl_ckpt", "internvl", "A random tiny InternVLForConditionalGeneration "
                                "(InternViT on 56 px tiles + pixel shuffle + Qwen2).")
 smolvlm_ckpt = tiny_checkpoint("smolvlm_ckpt", "smolvlm", "A random tiny SmolVLMForConditionalGeneration (SigLIP on 56 px "

@@ -60,7 +60,9 @@ def reference(ckpt, hf_class: str, kind: str, files: list[str], counts, prompt, 
             clips = [librosa.load(f, sr=sr)[0] for f in files[:n]]
             inputs = processor(text=[chat], audio=clips or None, sampling_rate=sr, return_tensors="pt")
         else:
-            inputs = processor(text=[chat], images=[Image.open(f).convert("RGB") for f in files[:n]] or None, return_tensors="pt")
+            # the request's images as one sample, as apply_chat_template gives a conversation's
+            images = [[Image.open(f).convert("RGB") for f in files[:n]]] if n else None
+            inputs = processor(text=[chat], images=images, return_tensors="pt")
         with torch.no_grad():
             logits = model(**inputs).logits[0].float().numpy()
             gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,

@@ -319,6 +319,22 @@ CONFIG_VALUES = {
                          CFG + r"vision_config\.out_hidden_size=32 \(the patch merger's output width\) differs from "
                                r"the text model's hidden_size=64$"),
     },
+    "llava_onevision": {
+        "vision_tower_not_siglip": (_set("vision_config.model_type", "clip_vision_model"),
+                                    CFG + r"vision_config\.model_type='clip_vision_model': model=llava_onevision's "
+                                          r"vision tower is SigLIP's \(siglip_vision_model\)$"),
+        "select_strategy_default": (_set("vision_feature_select_strategy", "default"),
+                                    CFG + r"vision_feature_select_strategy='default': SigLIP has no class token to "
+                                          r"drop"),
+        "aspect_ratio_unknown": (_set("vision_aspect_ratio", "anyres"),
+                                 CFG + r"vision_aspect_ratio='anyres': mmzoo takes 'anyres_max_N'"),
+        "pinpoint_not_whole_tiles": (_set("image_grid_pinpoints", [[56, 56], [56, 100]]),
+                                     CFG + r"image_grid_pinpoints=\[\[56, 56\], \[56, 100\]\]: each must be "
+                                           r"\[height, width\], multiples of vision_config\.image_size=56$"),
+        "grid_wider_than_a_tile": (_set("image_grid_pinpoints", [[56, 56], [56, 280]]),
+                                   CFG + r"image_grid_pinpoints reach 280 px, more tiles a side than a tile has "
+                                         r"patches \(4\)"),
+    },
     "llava": {
         "head_dim_odd": (_set("text_config.head_dim", 7),
                          CFG + r"text_config\.head_dim=7 is odd; rotary embeddings rotate pairs of channels$"),

@@ -33,6 +33,7 @@ TINY = {
     "whisper": {"num_mel_bins": 8, "embed_dim": 32, "depth": 1, "num_heads": 2, "ffn_dim": 64, "max_positions": 10},
     "patch_merger": {"context_dim": 32, "out_dim": 48},
     "mlp_projector": {"in_dim": 32, "out_dim": 48},
+    "packed_projector": {"in_dim": 32, "out_dim": 48},
     "audio_projector": {"in_dim": 32, "out_dim": 48},
     "pixel_shuffle": {"in_dim": 32, "out_dim": 48, "image_size": 56, "patch_size": 14},
     "pixel_shuffle_linear": {"in_dim": 32, "out_dim": 48, "image_size": 56, "patch_size": 14},
@@ -49,11 +50,12 @@ TINY = {
 def test_groups_have_the_expected_options():
     assert {"sdpa", "eager", "pallas"} <= set(config.options("attention"))
     assert {"eager", "xla"} <= set(config.options("executor"))
-    assert {"qwen2_vl", "llava", "qwen2_audio", "internvl", "smolvlm", "gemma3"} <= set(config.options("model"))
+    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_onevision", "qwen2_audio", "internvl", "smolvlm",
+            "gemma3"} <= set(config.options("model"))
     assert set(config.options("encoder")) == {"qwen2_vl_vit", "qwen2_5_vl_vit", "qwen3_vl_vit", "clip_vit", "intern_vit",
                                               "siglip_vit", "whisper"}
     assert set(config.options("adapter")) == {"patch_merger", "mlp_projector", "audio_projector", "pixel_shuffle",
-                                              "pixel_shuffle_linear", "avg_pool_projector"}
+                                              "pixel_shuffle_linear", "avg_pool_projector", "packed_projector"}
     assert set(config.options("lm")) == {"llama", "qwen2", "qwen3", "gemma3"}
 
 

@@ -214,11 +214,13 @@ def _built(ckpt):
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_encoder_declares_what_its_tower_does(tiny_checkpoints, name):
     """The encoder is an Encoder: ``rows_per_item`` is the rows one input item gives (2 dummy items
-    -> twice as many), ``rotary_input`` names a forward input read by its ``rotary``."""
+    -> twice as many), ``rotary_input`` names a forward input read by its ``rotary``; the inputs the
+    adapter takes (``Tower.adapter_inputs``) are not the encoder's."""
     family, model = _built(tiny_checkpoints[name])
-    encoder = model.towers[family.tower].encoder
+    tower = model.towers[family.tower]
+    encoder = tower.encoder
     assert isinstance(encoder, Encoder)
-    inputs = {k: torch.as_tensor(v) for k, v in family.dummy_media(2).inputs.items()}
+    inputs = {k: torch.as_tensor(v) for k, v in family.dummy_media(2).inputs.items() if k not in tower.adapter_inputs}
     with torch.no_grad():
         rows = encoder(**inputs).shape[0]  # [rows, out_dim]
     if encoder.rows_per_item is not None:

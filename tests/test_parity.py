@@ -45,6 +45,12 @@ CASES = {
     "qwen3_vl": Case("qwen3_vl_ckpt", "image_files", "image",
                      {"eager": [2], "xla": [2]}, "Compare the two pictures.",
                      {"buckets": {"max_encoder_rows": 64}, "progress": False, "warmup": False}),
+    # one 56x56 image: a base view and its 1x1 grid, each row newline-ended (grids cut and shrunk, several images,
+    # videos: tests/test_llava_onevision.py)
+    "llava_onevision": Case("llava_onevision_ckpt", "image_files", "image", {"eager": [1], "xla": [1]},
+                            "Describe the picture.",
+                            {"progress": False, "warmup": False, "max_batch": 2,
+                             "buckets": {"min_encoder_rows": 64, "max_encoder_rows": 64}}),
     "llava": Case("llava_ckpt", "image_files", "image",
                   {"eager": [0, 1, 3], "xla": [3]}, "What shape is this?",
                   {"progress": False, "warmup": False, "buckets": {"min_encoder_rows": 64, "max_encoder_rows": 64}, "max_batch": 2}),

@@ -63,9 +63,11 @@ class Family:
         return make_audio(float(size), seed=seed, sampling_rate=sampling_rate)
 
     def processor_media(self, items: list, processor) -> dict:
-        """The media keyword arguments of the transformers processor's call on ``items``."""
+        """The media keyword arguments of the transformers processor's call on ``items``: a request's
+        images as one sample, as ``apply_chat_template`` hands a conversation's (LLaVA-OneVision reads
+        several images of one sample as base views; every other family is the same either way)."""
         if self.media == "image":
-            return {"images": items or None}
+            return {"images": [items] if items else None}
         return {"audio": items or None, "sampling_rate": sampling_rate(processor)}
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from mmzoo.encoders.clip_vit import ClipVisionEncoder
+from mmzoo.encoders.clip_vit import ClipVisionEncoder, resolve_feature_layers
 from mmzoo.encoders.intern_vit import square_side
 
 
@@ -36,9 +36,10 @@ def bucketed_positions(side: int) -> torch.Tensor:
 
 def siglip_vit(*, image_size, patch_size, embed_dim: int, num_layers: int, num_heads: int, intermediate_dim: int,
                in_channels: int = 3, act: str = "gelu_pytorch_tanh", norm_eps: float = 1e-6,
-               bucketed: bool = False, attention="sdpa") -> ClipVisionEncoder:
+               bucketed: bool = False, feature_layer: int | list[int] | None = None,
+               attention="sdpa") -> ClipVisionEncoder:
     """Component builder (``conf/encoder/siglip_vit.yaml``): a SigLIP ViT of ``num_layers`` blocks,
-    read after its final LayerNorm, one row per patch.
+    read after its final LayerNorm (or at hidden layers), one row per patch.
 
     Args:
         image_size, patch_size: an item's side and a patch's, in pixels (an int or a square pair).
@@ -46,6 +47,10 @@ def siglip_vit(*, image_size, patch_size, embed_dim: int, num_layers: int, num_h
         norm_eps: the LayerNorms' epsilon (``layer_norm_eps``).
         bucketed: look positions up as Idefics3 / SmolVLM do (:func:`bucketed_positions`);
             False: row ``i`` for patch ``i``, as ``SiglipVisionEmbeddings``.
+        feature_layer: None: the last block's output after the final LayerNorm (SmolVLM, Gemma 3);
+            else the hidden state(s) read without it, as Llava's ``vision_feature_layer``
+            (LLaVA-OneVision: ``-1``, the last block's output; only the blocks up to the deepest
+            one are built; a list concatenates several).
 
     Raises:
         ValueError: sizes that are not square or not a whole number of patches.
@@ -55,8 +60,10 @@ def siglip_vit(*, image_size, patch_size, embed_dim: int, num_layers: int, num_h
     image, patch = square_side(image_size, "image_size"), square_side(patch_size, "patch_size")
     if image % patch:
         raise ValueError(f"image_size={image} is not a multiple of patch_size={patch}")
+    layers = [num_layers] if feature_layer is None else resolve_feature_layers(feature_layer, num_layers)
     return ClipVisionEncoder(
-        image_size=image, patch_size=patch, in_channels=in_channels, embed_dim=embed_dim, depth=num_layers,
-        num_heads=num_heads, intermediate_dim=intermediate_dim, act=act, feature_layers=[num_layers],
+        image_size=image, patch_size=patch, in_channels=in_channels, embed_dim=embed_dim, depth=max(layers),
+        num_heads=num_heads, intermediate_dim=intermediate_dim, act=act, feature_layers=layers,
         keep_cls=False, attn_fn=resolve(attention), norm_eps=norm_eps, patch_bias=True, pre_norm=False,
-        post_norm=True, class_token=False, position_ids=bucketed_positions(image // patch) if bucketed else None)
+        post_norm=feature_layer is None, class_token=False,
+        position_ids=bucketed_positions(image // patch) if bucketed else None)

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
 
 class Tower(nn.Module):
-    """An encoder followed by its adapter: media inputs -> LM-width embeddings, one row per placeholder."""
+    """An encoder followed by its adapter: media inputs -> LM-width embeddings, one row per placeholder.
+
+    The inputs go to the encoder, except those the adapter's ``forward`` names as keyword parameters
+    after the features (LLaVA-OneVision's ``pack_index`` / ``pack_weight``), which go to the adapter.
+    """
 
     def __init__(self, *, encoder: nn.Module, adapter: nn.Module):
         super().__init__()
         self.encoder, self.adapter = encoder, adapter
+        params = list(inspect.signature(adapter.forward).parameters.values())[1:]  # after the features
+        self.adapter_inputs = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
     def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
-        return self.adapter(self.encoder(**inputs))
+        own = {k: inputs.pop(k) for k in self.adapter_inputs if k in inputs}
+        return self.adapter(self.encoder(**inputs), **own)
 
 
 class MultimodalLM(nn.Module):

@@ -183,6 +183,8 @@ class PallasAttention(AttentionBackend):
             return self._embed(fn, tensors, static)
         if q.device.type != "cpu":
             raise ValueError(f"pallas attention runs on xla or cpu tensors, got {q.device}")
+        if decode:  # exact shapes (executor=eager): one JAX compile per HOST_KV_QUANTUM cache lengths, not per step
+            tensors = _host_decode_padded(q, k, v, *ints, causal=causal)
         out = jitted(*(None if t is None else _to_jax(t) for t in tensors), **static)
         return torch.from_dlpack(out)
 
@@ -198,6 +200,28 @@ class PallasAttention(AttentionBackend):
         return (hq == hkv and sq == skv and sq % 128 == 0 and (sq <= 512 or sq % 512 == 0)
                 and q_positions is None and kv_lengths is None
                 and (q_segment_ids is None or q_segment_ids is kv_segment_ids))
+
+
+HOST_KV_QUANTUM = 64  # cache rows a host decode call's keys are padded to a multiple of
+
+
+def _host_decode_padded(q, k, v, q_positions, kv_lengths, *, causal: bool) -> tuple:
+    """The decode kernel's inputs with the keys and values padded to a multiple of
+    :data:`HOST_KV_QUANTUM` rows, masked by explicit ``kv_lengths`` (and, causal, the queries'
+    explicit positions: the last ``sq`` real keys'), so that a host decode whose cache grows a token
+    a step reuses JAX's compiled kernel instead of tracing and compiling it again at every length.
+    The padded keys are masked out: the output is the unpadded call's."""
+    b, _, sq, _ = q.shape
+    skv = k.shape[2]
+    pad = -skv % HOST_KV_QUANTUM
+    if not pad:
+        return q, k, v, q_positions, kv_lengths
+    if causal and q_positions is None:
+        q_positions = (torch.arange(sq, dtype=torch.int32) + (skv - sq)).expand(b, sq)
+    if kv_lengths is None:
+        kv_lengths = torch.full((b,), skv, dtype=torch.int32)
+    k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (k, v))
+    return q, k, v, q_positions, kv_lengths
 
 
 def _to_jax(t: torch.Tensor) -> jax.Array:

@@ -1,7 +1,8 @@
 """SmolVLM's and Idefics3's own tests (token parity on every executor and backend is tests/test_parity.py):
 the tiles and the framed prompt against transformers' processor (split and unsplit images), SigLIP's
 features against ``get_image_features`` (bucketed positions where they are not the identity), the
-Idefics3 architecture's greedy tokens, token prompts, embeddings mode and the XLA warmup."""
+Idefics3 architecture's greedy tokens, token prompts, embeddings mode, the XLA warmup, and SmolVLM2's
+videos."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 import mmzoo
 import parity
+from mmzoo.errors import MmzooError
 from mmzoo.encoders import bucketed_positions
 from mmzoo.fixtures import make_image
 from mmzoo.fixtures.smolvlm import make_tiny_smolvlm
@@ -93,13 +95,15 @@ def test_vit_features_match_get_image_features(tmp_path, images, architecture, s
 
 def test_idefics3_tokens_match_transformers(tmp_path, images):
     """An Idefics3ForConditionalGeneration checkpoint (Idefics3Processor) runs as model=smolvlm and
-    gives transformers' greedy tokens."""
+    gives transformers' greedy tokens; it takes no videos (refused by name)."""
     ckpt = make_tiny_smolvlm(tmp_path / "idefics3", architecture="idefics3")
     ref = parity.reference(ckpt, "Idefics3ForConditionalGeneration", "image", images, [2], PROMPT)[2]
     engine = parity.engine(ckpt, "eager")
     assert engine.name == "smolvlm"
     out = engine.generate(mmzoo.Request(prompt=PROMPT, images=images[:2], **GEN))
     assert out.prompt_token_ids == ref["ids"] and out.token_ids == ref["tokens"]
+    with pytest.raises(MmzooError, match=r"model=smolvlm: this checkpoint's Idefics3Processor takes no videos"):
+        engine.prepare(mmzoo.Request(prompt=PROMPT, videos=[[make_image(56, 56)] * 2]))
 
 
 def test_weight_names(smolvlm_ckpt):
@@ -158,6 +162,52 @@ def test_xla_warmup_covers_every_tile_count(smolvlm_ckpt, images):
         assert r.token_ids == eager.generate(mmzoo.Request(prompt=PROMPT, images=s, **GEN)).token_ids
 
 
+def _video_reference(ckpt, videos, prompt: str = "What happens?") -> dict:
+    """transformers' prompt ids, prefill logits and 16 greedy tokens for ``videos`` (lists of frames)."""
+    from transformers import AutoProcessor, SmolVLMForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(ckpt)
+    model = SmolVLMForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    content = [{"type": "video"}] * len(videos) + [{"type": "text", "text": prompt}]
+    chat = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    inputs = processor(text=[chat], videos=list(videos), return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits[0].float().numpy()
+        gen = model.generate(**inputs, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    ids = inputs["input_ids"][0].tolist()
+    return {"ids": ids, "logits": logits, "tokens": gen[0, len(ids):].tolist()}
+
+
+def test_videos_match_transformers(smolvlm_ckpt):
+    """SmolVLM2's videos: each frame one tile, written with the processor's introduction and timestamps
+    (two videos of 3 and 2 frames: the shorter one's introduction counts the longer one's frames, as
+    the processor's padded batch does): transformers' prompt ids, logits and tokens on both executors
+    (XLA: nothing compiled after warmup, and the videos again from engine.encode's embeddings); a
+    token prompt must hold the videos' whole text."""
+    videos = [[make_image(56, 84, seed=i) for i in range(3)], [make_image(70, 50, seed=9 + i) for i in range(2)]]
+    ref = _video_reference(smolvlm_ckpt, videos)
+    eager = parity.engine(smolvlm_ckpt, "eager")
+    prepared = eager.prepare(mmzoo.Request(prompt="What happens?", videos=videos))
+    assert prepared.input_ids.tolist() == ref["ids"] and prepared.grids["video"].tolist() == [[3, 1, 1], [2, 1, 1]]
+    np.testing.assert_allclose(eager.executor.prompt_logits(prepared), ref["logits"], atol=1e-4, rtol=0)
+    assert eager.generate(mmzoo.Request(prompt="What happens?", videos=videos, **GEN)).token_ids == ref["tokens"]
+    emb = eager.encode(videos=videos)
+    xla = mmzoo.load(smolvlm_ckpt, executor="xla", max_model_len=256, max_batch=2, progress=False, warmup="needed",
+                     buckets={"min_encoder_rows": 64, "max_encoder_rows": 64}, compile={"on_recompile": "error"})
+    results = xla.generate([mmzoo.Request(prompt="What happens?", videos=videos, **GEN),
+                            mmzoo.Request(prompt="What happens?", **emb, **GEN)])
+    assert [r.graphs_compiled_after_warmup for r in results] == [0, 0]
+    assert results[0].token_ids == results[1].token_ids == ref["tokens"]
+    assert results[1].prompt_token_ids == ref["ids"]
+    assert eager.generate(mmzoo.Request(prompt_token_ids=ref["ids"], videos=videos, **GEN)).token_ids == ref["tokens"]
+    image = eager.family.image_token_id
+    with pytest.raises(MmzooError, match=r"prompt_token_ids has 1 image placeholder tokens but the 2 videos' frames "
+                                         r"fill 20 \(\[12, 8\]\)"):
+        eager.prepare(mmzoo.Request(prompt_token_ids=[5, image, 6], videos=videos))
+
+
 def test_bad_input(smolvlm_ckpt, images):
     emb = torch.zeros(12, 64)
     cases = [
@@ -170,7 +220,8 @@ def test_bad_input(smolvlm_ckpt, images):
          r"image_embeds has 12 rows but image_grid_thw \[\[1, 1, 1\]\] implies 4 \(tiles x 4 tokens per tile\)"),
         (dict(prompt_token_ids=[5, 6, 7], images=images[:1]),
          r"prompt_token_ids has 0 image placeholders \(token id \d+\) in runs of \[\] but 1 images are given"),
-        (dict(videos=[images[:2]]), r"model=smolvlm does not take videos"),
+        (dict(images=images[:1], videos=[images[:2]]), r"model=smolvlm takes images or videos in one request, not "
+                                                       r"both"),
     ]
     parity.assert_refused(parity.engine(smolvlm_ckpt, "eager"), cases, PROMPT, kind="image", files=images)
 

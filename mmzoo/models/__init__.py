@@ -2,7 +2,7 @@
 
 from mmzoo.models.composition import MultimodalLM, Tower
 from mmzoo.models.gemma3 import Gemma3
-from mmzoo.models.family import TP_PLAN, Family, Media, SquareItems, extend_tp_plan
+from mmzoo.models.family import TP_PLAN, Family, FramedMedia, Media, SquareItems, extend_tp_plan
 from mmzoo.models.internvl import InternVL
 from mmzoo.models.llava import Llava
 from mmzoo.models.llava_onevision import LlavaOnevision
@@ -12,5 +12,5 @@ from mmzoo.models.qwen2_vl import Qwen2VL
 from mmzoo.models.qwen3_vl import Qwen3VL
 from mmzoo.models.smolvlm import SmolVLM
 
-__all__ = ["MultimodalLM", "Tower", "Family", "SquareItems", "Media", "TP_PLAN", "extend_tp_plan", "Qwen2VL",
+__all__ = ["MultimodalLM", "Tower", "Family", "SquareItems", "Media", "FramedMedia", "TP_PLAN", "extend_tp_plan", "Qwen2VL",
            "Qwen2_5_VL", "Qwen3VL", "Llava", "LlavaOnevision", "InternVL", "SmolVLM", "Gemma3", "Qwen2Audio"]

@@ -107,6 +107,28 @@ class Media:
     grid: np.ndarray | None = None
 
 
+@dataclass
+class FramedMedia(Media):
+    """:class:`Media` of videos with the video processor's metadata for each (its frame rate and the
+    indices of the frames it kept), for families whose prompt writes the frames' timestamps
+    (Qwen3-VL, SmolVLM).
+
+    Attributes:
+        metadata: one ``transformers.video_utils.VideoMetadata`` per video; None for images.
+    """
+
+    metadata: list[Any] | None = None
+
+
+def unsampled_metadata(frames: int):
+    """The ``VideoMetadata`` transformers' video processors give ``frames`` frames passed without a
+    rate and kept whole: 24 fps, frame indices ``0 .. frames - 1`` (the timestamps of an embeddings
+    file's video, which does not carry the raw video's)."""
+    from transformers.video_utils import VideoMetadata
+
+    return VideoMetadata(total_num_frames=int(frames), fps=24.0, frames_indices=np.arange(int(frames)))
+
+
 class Family:
     """Base of the model families (see the module docstring).
 

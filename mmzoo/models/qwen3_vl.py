@@ -22,32 +22,16 @@ checks it keeps):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from mmzoo.encoders import pos_interpolation, qwen3_vl_vision_weights
 from mmzoo.errors import MmzooError
-from mmzoo.models.family import Media, extend_tp_plan, lm_key
+from mmzoo.models.family import FramedMedia, Media, extend_tp_plan, lm_key, unsampled_metadata
 from mmzoo.models.qwen2_vl import Qwen2VL, check_vit_blocks, rope_index
 from mmzoo.types import TowerInput
-
-# an embeddings-mode video's frames, as transformers' video processor keeps a video given without a frame rate
-_DEFAULT_FPS = 24.0
-
-
-@dataclass
-class FramedMedia(Media):
-    """:class:`Media` of videos, with the processor's metadata for each (its frame rate and the
-    indices of the frames it kept: the timestamps written in the prompt).
-
-    Attributes:
-        metadata: one ``transformers.video_utils.VideoMetadata`` per video; None for images.
-    """
-
-    metadata: list[Any] | None = None
 
 
 class Qwen3VL(Qwen2VL):
@@ -131,11 +115,7 @@ class Qwen3VL(Qwen2VL):
         media = super().precomputed(kind, embeds, layout, width)
         metadata = None
         if kind == "video":
-            from transformers.video_utils import VideoMetadata
-
-            metadata = [VideoMetadata(total_num_frames=int(t) * self.temporal_patch_size, fps=_DEFAULT_FPS,
-                                      frames_indices=np.arange(int(t) * self.temporal_patch_size))
-                        for t in media.grid[:, 0]]
+            metadata = [unsampled_metadata(int(t) * self.temporal_patch_size) for t in media.grid[:, 0]]
         return FramedMedia(counts=media.counts, calls=media.calls, grid=media.grid, metadata=metadata)
 
     def expand_placeholder(self, kind: str, media: Media, item: int, processor) -> str:

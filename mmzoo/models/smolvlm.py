@@ -19,6 +19,12 @@ newline per row, then ``<fake_token_around_image><global-img>``, the global view
 per image (expanded to the text's ids, as vLLM does). Precomputed ``image_embeds`` come with
 ``image_grid_thw`` rows ``[tiles, rows, cols]`` (what ``mmzoo.encode`` writes; ``tiles = rows * cols
 + 1``; an image that was not split is ``[1, 1, 1]``).
+
+SmolVLM2's videos: the video processor resizes every frame to one square tile, and the processor's
+``replace_video_token`` writes the video as an introduction (the frame count in words, the
+duration), then ``Frame from MM:SS:`` and the frame as an unsplit image per frame: the frames fill the
+image placeholder token (:attr:`~mmzoo.models.Family.shared_placeholders`). ``video_embeds`` come with
+``video_grid_thw`` rows ``[frames, 1, 1]``, timestamped as frames passed without a rate (24 fps).
 """
 
 from __future__ import annotations
@@ -32,9 +38,9 @@ from mmzoo.adapters.pixel_shuffle import shuffled_tokens
 from mmzoo.encoders import CLIP_RENAMES, square_side
 from mmzoo.errors import MmzooError
 from mmzoo.models._embeds import as_grid, embeds_media
-from mmzoo.models._media import load_images
+from mmzoo.models._media import load_images, load_videos
 from mmzoo.models._prompt import expand_runs
-from mmzoo.models.family import Media, SquareItems, lm_key
+from mmzoo.models.family import FramedMedia, Media, SquareItems, lm_key, unsampled_metadata
 from mmzoo.types import TowerInput
 
 VISION_TYPES = ("smolvlm_vision", "idefics3_vision")  # the towers of the two architectures (the same SigLIP)
@@ -60,7 +66,8 @@ class SmolVLM(SquareItems):
     """
 
     tower = "vision"
-    modalities = ("image",)
+    modalities = ("image", "video")
+    shared_placeholders = {"video": "image"}  # a video's frames fill the image placeholder token
     hf_class = "SmolVLMForConditionalGeneration"
     tiny_checkpoint = "make_tiny_smolvlm"
     config_sections = ("text_config", "vision_config")
@@ -98,15 +105,44 @@ class SmolVLM(SquareItems):
                              f"model=smolvlm takes SmolVLMProcessor or Idefics3Processor")
         self.check_item_tokens(processor, "image_seq_len", source, what="a tile",
                                why=shuffled_tokens(self.image_size, self.patch_size, self.scale_factor))
-        tile = (getattr(processor.image_processor, "max_image_size", None) or {}).get("longest_edge")
-        if tile != self.image_size:
-            raise MmzooError(f"{source}: the image processor's max_image_size.longest_edge={tile!r} (its tiles' side), "
-                             f"but the vision tower takes tiles of {self.image_size} px (vision_config.image_size)")
+        for name in ("image_processor", "video_processor"):
+            if name == "video_processor" and getattr(processor, name, None) is None:
+                continue  # Idefics3's: no videos
+            tile = (getattr(getattr(processor, name, None), "max_image_size", None) or {}).get("longest_edge")
+            if tile != self.image_size:
+                raise MmzooError(f"{source}: the {name.replace('_', ' ')}'s max_image_size.longest_edge={tile!r} (its "
+                                 f"tiles' side), but the vision tower takes tiles of {self.image_size} px "
+                                 f"(vision_config.image_size)")
 
     # -- media -----------------------------------------------------------------------------------
+    def refuse(self, request) -> None:
+        """The base's refusals, and images beside videos in one request: transformers' SmolVLM takes one
+        or the other (its model counts a prompt's image tokens against its images' alone)."""
+        super().refuse(request)
+        if (request.images or request.image_embeds is not None) and (request.videos or request.video_embeds is not None):
+            raise MmzooError(f"model={self.name} takes images or videos in one request, not both (as transformers' "
+                             f"SmolVLM: a video's frames are written with the image token)")
+
+    def placeholder(self, kind: str, processor) -> tuple[str, int]:
+        """The rendered placeholder and the image token's id; a video's is ``<video>`` (Idefics3's
+        processor, which takes no videos, names none)."""
+        if kind == "video":
+            return getattr(processor, "video_token", "<video>"), self.image_token_id
+        return super().placeholder(kind, processor)
+
+    def placeholder_token(self, kind: str, processor) -> str:
+        """The image token, for videos too (the rendered ``<video>`` becomes frames of it)."""
+        return processor.image_token
+
     def expand_placeholder(self, kind: str, media: Media, item: int, processor) -> str:
         """The processor's own text for image ``item`` (``replace_image_token``): its tiles framed
-        by row and column, then its global view."""
+        by row and column, then its global view; for video ``item`` (``replace_video_token``): the
+        introduction, then each frame's timestamp and tile."""
+        if kind == "video":
+            # replace_video_token reads the frame count off the processor's batch, whose videos are padded to the
+            # longest: a shorter video's introduction counts the longest one's frames (its own are written)
+            frames = np.empty((1, int(media.grid[:, 0].max())))
+            return processor.replace_video_token({"pixel_values": frames, "video_metadata": [media.metadata[item]]}, 0)
         tiles, rows, cols = (int(v) for v in media.grid[item])
         rows, cols = (rows, cols) if tiles > 1 else (0, 0)  # not split: the processor's 0 x 0
         return processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)
@@ -118,6 +154,13 @@ class SmolVLM(SquareItems):
         token = self.image_token_id
         if media is None:
             return expand_runs(ids, token, [], what=kind)
+        if kind == "video":  # its text is long (an introduction, a timestamp per frame): as the processor writes it
+            have, want = int(np.sum(ids == token)), sum(media.counts)
+            if have != want:
+                raise MmzooError(f"prompt_token_ids has {have} image placeholder tokens but the {len(media.counts)} "
+                                 f"videos' frames fill {want} ({media.counts}): give a video's whole text as the "
+                                 f"processor writes it (or give a prompt or messages)")
+            return ids
         tiles = [int(t) for t in media.grid[:, 0]]
         where = np.flatnonzero(ids == token)
         runs = np.split(where, np.flatnonzero(np.diff(where) != 1) + 1) if len(where) else []
@@ -137,7 +180,10 @@ class SmolVLM(SquareItems):
 
     def raw_media(self, kind: str, items: list, processor) -> Media:
         """The checkpoint's image processor with its processor's defaults: each image's tiles and
-        global view, one tower call for all the request's tiles."""
+        global view, one tower call for all the request's tiles. Videos: its video processor, each
+        frame one tile (and the metadata of its timestamps), one tower call per video."""
+        if kind == "video":
+            return self._videos(items, processor)
         out = processor.image_processor(images=[load_images(items)], **processor.images_kwargs, return_tensors="np")
         pixels = np.asarray(out["pixel_values"], np.float32)[0]  # [tiles, c, h, w]: one sample
         rows, cols = [int(r) for r in out["rows"][0]], [int(c) for c in out["cols"][0]]
@@ -159,9 +205,42 @@ class SmolVLM(SquareItems):
         return Media(counts=[n * s for n in tiles], calls=[call],
                      grid=np.array([[n, r, c] for n, r, c in zip(tiles, rows, cols)], np.int64))
 
+    def _videos(self, items: list, processor) -> FramedMedia:
+        if getattr(processor, "video_processor", None) is None:
+            raise MmzooError(f"model={self.name}: this checkpoint's {type(processor).__name__} takes no videos "
+                             f"(SmolVLM2's SmolVLMProcessor does)")
+        calls, metadata, frames = [], [], []
+        for i, video in enumerate(load_videos(items)):
+            out = processor.video_processor(videos=[video], **processor.videos_kwargs, return_tensors="np")
+            pixels = np.asarray(out["pixel_values"], np.float32)[0]  # [frames, c, h, w]
+            want = (self.in_channels, self.image_size, self.image_size)
+            if tuple(pixels.shape[1:]) != want:
+                raise MmzooError(f"videos[{i}]: the video processor gives {list(pixels.shape[1:])} pixels per frame "
+                                 f"but the vision tower takes {list(want)}")
+            calls.append(TowerInput(tower=self.tower, inputs={"pixel_values": pixels},
+                                    num_embeds=len(pixels) * self.tokens_per_tile))
+            metadata.append(out["video_metadata"][0])
+            frames.append(len(pixels))
+        return FramedMedia(counts=[n * self.tokens_per_tile for n in frames], calls=calls, metadata=metadata,
+                           grid=np.array([[n, 1, 1] for n in frames], np.int64))
+
     def precomputed(self, kind: str, embeds, layout, hidden_size: int) -> Media:
         """``image_embeds [sum(tiles) * tokens_per_tile, hidden]`` with ``image_grid_thw`` rows
-        ``[tiles, rows, cols]``."""
+        ``[tiles, rows, cols]``; ``video_embeds`` with ``video_grid_thw`` rows ``[frames, 1, 1]``
+        (timestamped as frames passed without a rate: :func:`~mmzoo.models.family.unsampled_metadata`)."""
+        if kind == "video":
+            if layout is None:
+                raise MmzooError("video_embeds needs video_grid_thw ([frames, 1, 1] per video)")
+            grid = as_grid(layout, "video_grid_thw")
+            odd = np.flatnonzero((grid[:, 1] != 1) | (grid[:, 2] != 1))
+            if len(odd):
+                raise MmzooError(f"video_grid_thw[{odd[0]}] = {grid[odd[0]].tolist()}: a video's frames are one tile "
+                                 f"each, [frames, 1, 1]")
+            media = embeds_media(embeds, "video_embeds", hidden=hidden_size, grid=grid, tower=self.tower,
+                                 counts=[int(n) * self.tokens_per_tile for n in grid[:, 0]],
+                                 implied=f"frames x {self.tokens_per_tile} tokens per frame")
+            return FramedMedia(counts=media.counts, calls=media.calls, grid=grid,
+                               metadata=[unsampled_metadata(int(n)) for n in grid[:, 0]])
         if layout is None:
             raise MmzooError(f"image_embeds needs image_grid_thw ([tiles, rows, cols] per image: model={self.name} "
                              f"frames each image's tiles by row and column)")

@@ -6,6 +6,9 @@ videos."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -180,12 +183,13 @@ def _video_reference(ckpt, videos, prompt: str = "What happens?") -> dict:
     return {"ids": ids, "logits": logits, "tokens": gen[0, len(ids):].tolist()}
 
 
-def test_videos_match_transformers(smolvlm_ckpt):
+def test_videos_match_transformers(smolvlm_ckpt, tmp_path):
     """SmolVLM2's videos: each frame one tile, written with the processor's introduction and timestamps
     (two videos of 3 and 2 frames: the shorter one's introduction counts the longer one's frames, as
     the processor's padded batch does): transformers' prompt ids, logits and tokens on both executors
     (XLA: nothing compiled after warmup, and the videos again from engine.encode's embeddings); a
-    token prompt must hold the videos' whole text."""
+    token prompt must hold the videos' whole text; a video processor that samples frames by rate
+    refuses frames given without one, as transformers' does, named."""
     videos = [[make_image(56, 84, seed=i) for i in range(3)], [make_image(70, 50, seed=9 + i) for i in range(2)]]
     ref = _video_reference(smolvlm_ckpt, videos)
     eager = parity.engine(smolvlm_ckpt, "eager")
@@ -206,6 +210,14 @@ def test_videos_match_transformers(smolvlm_ckpt):
     with pytest.raises(MmzooError, match=r"prompt_token_ids has 1 image placeholder tokens but the 2 videos' frames "
                                          r"fill 20 \(\[12, 8\]\)"):
         eager.prepare(mmzoo.Request(prompt_token_ids=[5, image, 6], videos=videos))
+    sampling = tmp_path / "sampling"
+    shutil.copytree(smolvlm_ckpt, sampling)
+    config = json.loads((sampling / "processor_config.json").read_text())
+    config["video_processor"]["do_sample_frames"] = True
+    (sampling / "processor_config.json").write_text(json.dumps(config))
+    with pytest.raises(MmzooError, match=r"videos\[0\]: the checkpoint's video processor refuses it: Asked to sample "
+                                         r"frames per second but no video metadata"):
+        mmzoo.load(sampling, executor="eager").prepare(mmzoo.Request(prompt="x", videos=videos[:1]))
 
 
 def test_bad_input(smolvlm_ckpt, images):

@@ -211,7 +211,10 @@ class SmolVLM(SquareItems):
                              f"(SmolVLM2's SmolVLMProcessor does)")
         calls, metadata, frames = [], [], []
         for i, video in enumerate(load_videos(items)):
-            out = processor.video_processor(videos=[video], **processor.videos_kwargs, return_tensors="np")
+            try:
+                out = processor.video_processor(videos=[video], **processor.videos_kwargs, return_tensors="np")
+            except ValueError as e:  # e.g. a processor that samples frames by rate, of frames given without one
+                raise MmzooError(f"videos[{i}]: the checkpoint's video processor refuses it: {e}") from None
             pixels = np.asarray(out["pixel_values"], np.float32)[0]  # [frames, c, h, w]
             want = (self.in_channels, self.image_size, self.image_size)
             if tuple(pixels.shape[1:]) != want:

@@ -183,10 +183,12 @@ class PallasAttention(AttentionBackend):
             return self._embed(fn, tensors, static)
         if q.device.type != "cpu":
             raise ValueError(f"pallas attention runs on xla or cpu tensors, got {q.device}")
-        if decode:  # exact shapes (executor=eager): one JAX compile per HOST_KV_QUANTUM cache lengths, not per step
-            tensors = _host_decode_padded(q, k, v, *ints, causal=causal)
-        out = jitted(*(None if t is None else _to_jax(t) for t in tensors), **static)
-        return torch.from_dlpack(out)
+        # exact shapes (executor=eager): lengths padded to HOST_KV_QUANTUM, so JAX compiles the kernels once per
+        # 64 cache lengths (a decode step) or prompt lengths, not at every new length
+        tensors = _host_decode_padded(q, k, v, *ints, causal=causal) if decode else _host_flash_padded(
+            tensors, causal=causal)
+        out = torch.from_dlpack(jitted(*(None if t is None else _to_jax(t) for t in tensors), **static))
+        return out[:, :, :sq] if out.shape[2] != sq else out
 
     @staticmethod
     def _xla_flash_takes(hq, hkv, sq, skv, q_positions, kv_lengths, q_segment_ids, kv_segment_ids) -> bool:
@@ -222,6 +224,33 @@ def _host_decode_padded(q, k, v, q_positions, kv_lengths, *, causal: bool) -> tu
         kv_lengths = torch.full((b,), skv, dtype=torch.int32)
     k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (k, v))
     return q, k, v, q_positions, kv_lengths
+
+
+def _host_flash_padded(tensors: tuple, *, causal: bool) -> tuple:
+    """The flash kernel's inputs ``(q, k, v, q_seg, kv_seg, q_positions, kv_lengths[, q_blocks,
+    kv_blocks])`` with the queries and the keys padded to a multiple of :data:`HOST_KV_QUANTUM` rows,
+    as the kernel pads to its tiles: padded keys masked by explicit ``kv_lengths``, padded queries at
+    position -1 (causal; they see nothing) and in no block, their rows dropped by the caller. The real
+    rows' outputs are the unpadded call's."""
+    q, k, v, q_seg, kv_seg, q_positions, kv_lengths, *blocks = tensors
+    b, _, sq, _ = q.shape
+    skv = k.shape[2]
+    pad_q, pad_kv = -sq % HOST_KV_QUANTUM, -skv % HOST_KV_QUANTUM
+    if not (pad_q or pad_kv):
+        return tensors
+
+    def rows(t, pad, value=0):  # [b, n] ids, or [b, h, n, d] activations, padded along n
+        if t is None or not pad:
+            return t
+        return torch.nn.functional.pad(t, (0, 0, 0, pad) if t.dim() == 4 else (0, pad), value=value)
+
+    if causal and q_positions is None:
+        q_positions = (torch.arange(sq, dtype=torch.int32) + (skv - sq)).expand(b, sq)
+    if kv_lengths is None:
+        kv_lengths = torch.full((b,), skv, dtype=torch.int32)
+    blocks = [rows(blocks[0], pad_q, -1), rows(blocks[1], pad_kv, -1)] if blocks else []
+    return (rows(q, pad_q), rows(k, pad_kv), rows(v, pad_kv), rows(q_seg, pad_q), rows(kv_seg, pad_kv),
+            rows(q_positions, pad_q, -1), kv_lengths, *blocks)
 
 
 def _to_jax(t: torch.Tensor) -> jax.Array:

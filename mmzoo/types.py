@@ -186,7 +186,10 @@ class TowerInput:
     """What one tower call of one request needs: arrays with a leading row axis.
 
     ``pad`` gives the value padding rows take per input (default 0) and ``row_multiple`` the
-    granularity of rows (the adapter maps ``row_multiple`` rows to one embedding).
+    granularity of rows (the adapter maps ``row_multiple`` rows to one embedding). Floating inputs
+    reach the tower in the run dtype, except those named in ``float32`` (weights computed on the host,
+    as Qwen3-VL's position-grid taps and LLaVA-OneVision's packing, which transformers keeps in
+    float32 in a bfloat16 run too).
     """
 
     tower: str
@@ -194,6 +197,7 @@ class TowerInput:
     num_embeds: int
     row_multiple: int = 1
     pad: dict[str, int] = field(default_factory=dict)
+    float32: frozenset[str] = frozenset()
     embeds: Any = None  # precomputed [num_embeds, dim] embeddings: the tower is not run
 
     @property

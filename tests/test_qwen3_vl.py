@@ -181,3 +181,25 @@ def test_server_chat_matches_transformers(qwen3_vl_ckpt, image_files):
     engine = parity.engine(qwen3_vl_ckpt, "eager")
     prompt_tokens, tokens = parity.served_chat(engine, image_files[:2], "Compare them.", 8)
     assert prompt_tokens == len(ref["ids"]) and tokens == ref["tokens"]
+
+
+def test_grid_weights_stay_float32_in_a_bfloat16_run(qwen3_vl_ckpt, image_files):
+    """In a bfloat16 run the patches reach the tower in bfloat16 and the host's position-grid weights
+    in float32 (transformers keeps them float32 too), on both executors; the XLA warmup's blank
+    inputs carry the same dtypes, so nothing compiles after it."""
+    seen = {}
+    for executor in ("eager", "xla"):
+        xla = {"warmup": "needed", "compile": {"on_recompile": "error"},
+               "buckets": {"min_encoder_rows": 64, "max_encoder_rows": 64}} if executor == "xla" else {}
+        engine = mmzoo.load(qwen3_vl_ckpt, executor=executor, dtype="bfloat16", max_model_len=256, progress=False,
+                            **xla)
+        encoder = engine.model.towers["vision"].encoder
+        hook = encoder.register_forward_hook(
+            lambda module, args, kwargs, out: seen.__setitem__(executor, {k: v.dtype for k, v in kwargs.items()}),
+            with_kwargs=True)
+        result = engine.generate(mmzoo.Request(prompt="What is this?", images=image_files[:1], max_new_tokens=2))
+        hook.remove()
+        assert result.error is None and result.graphs_compiled_after_warmup == 0
+    assert set(seen) == {"eager", "xla"}
+    for dtypes in seen.values():
+        assert dtypes["interp_weights"] == torch.float32 and dtypes["patches"] == torch.bfloat16

@@ -70,7 +70,8 @@ class MediaSteps:
                 arr = item.inputs[name]
                 padded = np.full((rows,) + arr.shape[1:], item.pad.get(name, 0), dtype=arr.dtype)
                 padded[: arr.shape[0]] = arr
-                tensors.append(self._tensor(padded, self.dtype if arr.dtype.kind == "f" else torch.long))
+                floating = torch.float32 if name in item.float32 else self.dtype
+                tensors.append(self._tensor(padded, floating if arr.dtype.kind == "f" else torch.long))
         n = self._encoded_rows.get(key)  # known from the step's first (traced) call
         if n is not None:
             self._check_media_rows(item, offset, n)

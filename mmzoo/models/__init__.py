@@ -12,5 +12,6 @@ from mmzoo.models.qwen2_vl import Qwen2VL
 from mmzoo.models.qwen3_vl import Qwen3VL
 from mmzoo.models.smolvlm import SmolVLM
 
-__all__ = ["MultimodalLM", "Tower", "Family", "SquareItems", "Media", "FramedMedia", "TP_PLAN", "extend_tp_plan", "Qwen2VL",
+__all__ = ["MultimodalLM", "Tower", "Family", "SquareItems", "Media", "FramedMedia", "TP_PLAN", "extend_tp_plan",
+           "Qwen2VL",
            "Qwen2_5_VL", "Qwen3VL", "Llava", "LlavaOnevision", "InternVL", "SmolVLM", "Gemma3", "Qwen2Audio"]

@@ -37,6 +37,7 @@ from mmzoo.models.family import Media, SquareItems, extend_tp_plan, lm_key
 from mmzoo.types import TowerInput
 
 NEWLINE = 0  # the packing's row of the learned image_newline (feature row i is 1 + i)
+PACK_FLOAT32 = frozenset({"pack_weight"})  # the blend weights reach the adapter in float32 in any run dtype
 
 
 def _taps(rows: list[np.ndarray], weights: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -246,9 +247,9 @@ class LlavaOnevision(SquareItems):
             index = np.zeros((n * per, 4), np.int64)
             weight = np.zeros((n * per, 4), np.float32)
             index[:len(taps)], weight[:len(taps)] = taps, weights
-            calls.append(TowerInput(tower=self.tower, num_embeds=n * per, inputs={
-                "pixel_values": np.asarray(tiles, np.float32), "pack_index": index.reshape(n, per, 4),
-                "pack_weight": weight.reshape(n, per, 4)}))
+            inputs = {"pixel_values": np.asarray(tiles, np.float32), "pack_index": index.reshape(n, per, 4),
+                      "pack_weight": weight.reshape(n, per, 4)}
+            calls.append(TowerInput(tower=self.tower, num_embeds=n * per, inputs=inputs, float32=PACK_FLOAT32))
             rows.append(start + np.arange(len(taps)))
             counts.append(len(taps))
             start += n * per
@@ -308,7 +309,7 @@ class LlavaOnevision(SquareItems):
         """``rows`` blank tiles with empty packing (every output row zero)."""
         call = super().dummy_media(rows)
         per = self.tokens_per_item
-        return TowerInput(tower=self.tower, num_embeds=call.num_embeds, inputs={
+        return TowerInput(tower=self.tower, num_embeds=call.num_embeds, float32=PACK_FLOAT32, inputs={
             **call.inputs, "pack_index": np.zeros((rows, per, 4), np.int64),
             "pack_weight": np.zeros((rows, per, 4), np.float32)})
 

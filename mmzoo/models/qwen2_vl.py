@@ -178,7 +178,8 @@ def check_vit_blocks(vision_config, field: str, source: str) -> list[int]:
     depth = vision_config.depth
     bad = [i for i in blocks if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < depth]
     if bad:
-        raise MmzooError(f"{source}: vision_config.{field}={blocks}: {bad[0]!r} is not a block of the depth={depth} ViT")
+        raise MmzooError(f"{source}: vision_config.{field}={blocks}: {bad[0]!r} is not a block of the "
+                         f"depth={depth} ViT")
     return blocks
 
 

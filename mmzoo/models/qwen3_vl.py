@@ -22,6 +22,7 @@ checks it keeps):
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import ClassVar
 
 import numpy as np
@@ -92,10 +93,12 @@ class Qwen3VL(Qwen2VL):
 
     def item_calls(self, pixels: np.ndarray, grid: np.ndarray) -> Media:
         media = super().item_calls(pixels, grid)
+        calls = []
         for call, g in zip(media.calls, grid):
-            call.inputs["interp_indices"], call.inputs["interp_weights"] = pos_interpolation(
-                g[None], self.position_side, self.merge_size)
-        return media
+            index, weight = pos_interpolation(g[None], self.position_side, self.merge_size)
+            calls.append(replace(call, inputs={**call.inputs, "interp_indices": index, "interp_weights": weight},
+                                 float32=frozenset({"interp_weights"})))
+        return replace(media, calls=calls)
 
     def precomputed(self, kind: str, embeds, layout, hidden_size: int) -> Media:
         """Qwen2-VL's, with rows ``(1 + deepstack_levels) * hidden_size`` wide (the main embedding
@@ -170,6 +173,6 @@ class Qwen3VL(Qwen2VL):
     def dummy_media(self, rows: int) -> TowerInput:
         """Qwen2-VL's zero patches, with zero position-grid taps and weights."""
         call = super().dummy_media(rows)
-        call.inputs["interp_indices"] = np.zeros((rows, 4), np.int64)
-        call.inputs["interp_weights"] = np.zeros((rows, 4), np.float32)
-        return call
+        return replace(call, inputs={**call.inputs, "interp_indices": np.zeros((rows, 4), np.int64),
+                                     "interp_weights": np.zeros((rows, 4), np.float32)},
+                       float32=frozenset({"interp_weights"}))

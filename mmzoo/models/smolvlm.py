@@ -119,7 +119,8 @@ class SmolVLM(SquareItems):
         """The base's refusals, and images beside videos in one request: transformers' SmolVLM takes one
         or the other (its model counts a prompt's image tokens against its images' alone)."""
         super().refuse(request)
-        if (request.images or request.image_embeds is not None) and (request.videos or request.video_embeds is not None):
+        images = request.images or request.image_embeds is not None
+        if images and (request.videos or request.video_embeds is not None):
             raise MmzooError(f"model={self.name} takes images or videos in one request, not both (as transformers' "
                              f"SmolVLM: a video's frames are written with the image token)")
 

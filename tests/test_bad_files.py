@@ -331,9 +331,6 @@ CONFIG_VALUES = {
         "pinpoint_not_whole_tiles": (_set("image_grid_pinpoints", [[56, 56], [56, 100]]),
                                      CFG + r"image_grid_pinpoints=\[\[56, 56\], \[56, 100\]\]: each must be "
                                            r"\[height, width\], multiples of vision_config\.image_size=56$"),
-        "grid_wider_than_a_tile": (_set("image_grid_pinpoints", [[56, 56], [56, 280]]),
-                                   CFG + r"image_grid_pinpoints reach 280 px, more tiles a side than a tile has "
-                                         r"patches \(4\)"),
     },
     "llava": {
         "head_dim_odd": (_set("text_config.head_dim", 7),

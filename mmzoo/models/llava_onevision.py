@@ -16,7 +16,8 @@ Li et al., 2024, "LLaVA-OneVision: Easy Visual Task Transfer" (arXiv:2408.03326)
   ``image_newline`` after the last. :func:`pack_image` / :func:`pack_video` give every output row
   its (at most) four feature rows and weights, which the adapter blends
   (:class:`~mmzoo.adapters.PackedProjector`); a call of ``k`` tiles has room for ``k * (t + s)``
-  rows (``t = s * s`` features a tile), more than any item packs into.
+  rows (``t = s * s`` features a tile), more than any item packs into (an image of a grid of ``g``
+  tiles, ``r`` of them a column, packs at most ``t + g t + r s``; a video of ``f`` frames ``f ceil(s / 2)^2 + 1``).
 * placeholders: ``<image>`` / ``<video>``, one per packed row, counted by the processor's own
   ``replace_image_token`` / ``replace_video_token`` (checked against the packing).
 """
@@ -185,20 +186,21 @@ class LlavaOnevision(SquareItems):
         if not pins or bad:
             raise MmzooError(f"{source}: image_grid_pinpoints={pins!r}"[:200] + f": each must be [height, width], "
                              f"multiples of vision_config.image_size={vc.image_size}")
-        if max(max(h, w) for h, w in pins) // vc.image_size > vc.image_size // vc.patch_size:
-            raise MmzooError(f"{source}: image_grid_pinpoints reach {max(max(h, w) for h, w in pins)} px, more tiles a "
-                             f"side than a tile has patches ({vc.image_size // vc.patch_size}): the newlines of such a "
-                             f"grid do not fit the rows its tiles hold")
 
     def check_processor(self, processor, *, vocab_size: int, source) -> None:
+        """The base's checks, and a LLaVA-OneVision processor counting a tile's features and shrinking
+        grids as the config does (its placeholder counts are the packing's)."""
         super().check_processor(processor, vocab_size=vocab_size, source=source)
         t = self.side * self.side
-        if processor.num_image_tokens != t:
-            raise MmzooError(f"{source}: the processor's num_image_tokens={processor.num_image_tokens!r}, but a "
-                             f"{self.image_size} px tile of the vision tower gives {t} features")
-        if max_tiles(processor.vision_aspect_ratio, f"{source}: the processor's vision_aspect_ratio") != self.max_tiles:
-            raise MmzooError(f"{source}: the processor's vision_aspect_ratio={processor.vision_aspect_ratio!r} differs "
-                             f"from config.json's (anyres_max_{self.max_tiles})")
+        per = getattr(processor, "num_image_tokens", None)
+        if per != t:
+            raise MmzooError(f"{source}: the processor's num_image_tokens={per!r}, but a {self.image_size} px tile of "
+                             f"the vision tower gives {t} features (model=llava_onevision takes "
+                             f"LlavaOnevisionProcessor)")
+        ratio = getattr(processor, "vision_aspect_ratio", None)
+        if max_tiles(ratio, f"{source}: the processor's vision_aspect_ratio") != self.max_tiles:
+            raise MmzooError(f"{source}: the processor's vision_aspect_ratio={ratio!r} differs from config.json's "
+                             f"(anyres_max_{self.max_tiles})")
 
     # -- media ---------------------------------------------------------------------------------
     def grid_tiles(self, height: int, width: int) -> tuple[int, int]:
@@ -209,7 +211,7 @@ class LlavaOnevision(SquareItems):
         return h // self.image_size, w // self.image_size
 
     def packed(self, kind: str, layout: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """One item's taps from its layout row (:meth:`layout`)."""
+        """One item's taps from its layout row (``image_grid_thw`` / ``video_grid_thw``, :meth:`raw_media`)."""
         if kind == "video":
             return pack_video(int(layout[0]), self.side)
         tiles, height, width = (int(v) for v in layout)

@@ -13,7 +13,8 @@ from mmzoo.errors import MmzooError
 from mmzoo.files import atomic_path
 
 FORMAT = "mmzoo.embeds/1"
-TENSOR_FIELDS = ("image_embeds", "image_grid_thw", "video_embeds", "video_grid_thw", "audio_embeds", "audio_lengths")
+TENSOR_FIELDS = ("image_embeds", "image_grid_thw", "video_embeds", "video_grid_thw", "video_timestamps", "audio_embeds",
+                 "audio_lengths")
 
 
 def fingerprint(weights: dict[str, torch.Tensor]) -> str:
@@ -64,7 +65,7 @@ def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     if not any(k.endswith("_embeds") for k in tensors):
         raise MmzooError(f"embeds file {path} holds no embeddings (image_embeds, video_embeds or audio_embeds)")
     for emb, layout in (("image_embeds", "image_grid_thw"), ("video_embeds", "video_grid_thw"),
-                        ("audio_embeds", "audio_lengths")):
+                        ("video_embeds", "video_timestamps"), ("audio_embeds", "audio_lengths")):
         if layout in tensors and emb not in tensors:
             raise MmzooError(f"embeds file {path} has {layout} but no {emb}")
     if "audio_embeds" in tensors and "audio_lengths" not in tensors:  # without it the clips would run together

@@ -205,6 +205,7 @@ class Engine:
                 out[f"{kind}_grid_thw"] = torch.as_tensor(prepared.grids[kind])
             if kind in prepared.lengths:
                 out[f"{kind}_lengths"] = torch.as_tensor(prepared.lengths[kind])
+            out.update({name: torch.as_tensor(value) for name, value in prepared.extras.items()})
         return out
 
     def embeds_metadata(self) -> dict[str, str]:

@@ -108,6 +108,9 @@ class Request:
     image_grid_thw: Any = None  # [num_images, 3] with image_embeds (Qwen2-VL)
     video_embeds: Any = None
     video_grid_thw: Any = None
+    # with video_embeds: the seconds of each video's temporal steps, in order (Qwen3-VL writes them in the
+    # prompt; mmzoo.encode writes them); without: as frames given without a rate and kept whole (24 fps)
+    video_timestamps: Any = None
     audio_embeds: Any = None  # [tokens, hidden] per clip (a list of 2-D), or one 2-D split by audio_lengths
     audio_lengths: Any = None  # [clips] token rows of each clip in a 2-D audio_embeds (mmzoo.encode writes it)
     inputs_embeds: Any = None  # [s, hidden] embeddings of the whole prompt (soft prompts)
@@ -221,6 +224,7 @@ class Prepared:
     media: list[TowerInput] = field(default_factory=list)
     grids: dict[str, np.ndarray] = field(default_factory=dict)  # "image"/"video" -> grid_thw (Qwen2-VL)
     lengths: dict[str, np.ndarray] = field(default_factory=dict)  # "audio" -> embedding rows per clip
+    extras: dict[str, np.ndarray] = field(default_factory=dict)  # request field -> what mmzoo.encode writes of it
     # with structured_outputs: makes each sample's grammar matcher (mmzoo.structured.Guide), the
     # grammar compiled and checked already (mmzoo.structured.Grammars)
     guide: Callable[[], Any] | None = None

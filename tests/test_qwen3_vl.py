@@ -106,15 +106,46 @@ def test_video_and_images_match_transformers(qwen3_vl_ckpt, references, image_fi
 
 
 @pytest.mark.parametrize("count", [6, 30, 61])
-def test_sampled_video_prompts_match_the_processor(qwen3_vl_ckpt, hf, count):
+def test_sampled_video_prompts_match_the_processor(qwen3_vl_ckpt, hf, tmp_path, count):
     """Longer videos, whose frames the processor samples (2 a second of 24): the same grid and
-    prompt ids, timestamps of the frames it kept included."""
+    prompt ids, timestamps of the frames it kept included; the same again from an mmzoo.encode file,
+    which carries each step's timestamp (video_timestamps)."""
+    from mmzoo import embeds_file
+
     _, processor = hf
+    engine = parity.engine(qwen3_vl_ckpt, "eager")
     video = [make_image(56, 56, seed=i) for i in range(count)]
-    prepared = parity.engine(qwen3_vl_ckpt, "eager").prepare(mmzoo.Request(prompt="What happens?", videos=[video]))
+    prepared = engine.prepare(mmzoo.Request(prompt="What happens?", videos=[video]))
     want = parity.qwen_vl_inputs(processor, "What happens?", videos=[video])
     assert prepared.grids["video"].tolist() == want["video_grid_thw"].tolist()
     assert prepared.input_ids.tolist() == want["input_ids"][0].tolist()
+    emb = engine.encode(videos=[video])
+    assert emb["video_timestamps"].shape == (int(want["video_grid_thw"][0, 0]),)
+    embeds_file.write(tmp_path / "video.safetensors", emb, engine.embeds_metadata())
+    via = engine.prepare(mmzoo.Request(prompt="What happens?", embeds=str(tmp_path / "video.safetensors")))
+    assert via.input_ids.tolist() == want["input_ids"][0].tolist()
+    np.testing.assert_array_equal(via.positions, prepared.positions)
+
+
+def test_video_timestamps_are_checked(qwen3_vl_ckpt, qwen2_vl_ckpt, frames):
+    """video_timestamps: one finite, non-negative second per temporal step, only with video_embeds,
+    only for a family that writes them (Qwen2-VL refuses the field by name)."""
+    engine = parity.engine(qwen3_vl_ckpt, "eager")
+    emb = engine.encode(videos=[frames])
+    cases = [({"video_timestamps": [0.0, 1.0, 2.0]}, r"video_timestamps has 3 entries but video_grid_thw gives 2 "
+                                                      r"temporal steps"),
+             ({"video_timestamps": [0.0, float("nan")]}, r"video_timestamps must be finite seconds >= 0"),
+             ({"video_timestamps": [0.0, -1.0]}, r"video_timestamps must be finite seconds >= 0")]
+    for extra, message in cases:
+        with pytest.raises(MmzooError, match=message):
+            engine.prepare(mmzoo.Request(prompt="x", **{**emb, **extra}))
+    with pytest.raises(MmzooError, match=r"video_timestamps given without video_embeds"):
+        engine.prepare(mmzoo.Request(prompt="x", video_timestamps=[0.0]))
+    shifted = engine.prepare(mmzoo.Request(prompt="x", **{**emb, "video_timestamps": [3.0, 4.5]}))
+    text = engine.processor.tokenizer.decode(shifted.input_ids)
+    assert "<3.0 seconds><|vision_start|>" in text and "<4.5 seconds><|vision_start|>" in text
+    with pytest.raises(MmzooError, match=r"model=qwen2_vl does not take video_timestamps"):
+        parity.engine(qwen2_vl_ckpt, "eager").prepare(mmzoo.Request(prompt="x", video_timestamps=[0.0]))
 
 
 def test_xla_matches_transformers_with_no_compile_after_warmup(qwen3_vl_ckpt, references, image_files, frames):

@@ -40,7 +40,7 @@ compute positions. vLLM's ``SupportsMultiModal`` plays the same role there.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import numpy as np
@@ -55,7 +55,9 @@ from mmzoo.types import Prepared, Request, TowerInput
 MEDIA_FIELDS = {"image": ("images", "image_embeds", "image_grid_thw"),
                 "video": ("videos", "video_embeds", "video_grid_thw"),
                 "audio": ("audios", "audio_embeds", "audio_lengths")}
-_ALL_MEDIA = {f for group in MEDIA_FIELDS.values() for f in group}
+# request fields a family may take beside a modality's layout (Family.layout_extras) -> that modality
+LAYOUT_EXTRAS = {"video_timestamps": "video"}
+_ALL_MEDIA = {f for group in MEDIA_FIELDS.values() for f in group} | set(LAYOUT_EXTRAS)
 TEXT_FIELDS = frozenset(f.name for f in fields(Request)) - _ALL_MEDIA  # what every family takes
 
 # Tensor parallelism by parameter name (fnmatch patterns over the composition's names, first
@@ -99,12 +101,15 @@ class Media:
         rows: ``[sum(counts)]`` the row of the calls' concatenated output that each placeholder
             token reads; None: rows ``0 .. sum(counts) - 1``.
         grid: ``[items, 3]`` (t, h, w) patches per item, for families that position by it.
+        extras: request fields of :data:`LAYOUT_EXTRAS` -> their values for these items (what
+            ``mmzoo.encode`` writes beside the embeddings: Qwen3-VL's ``video_timestamps``).
     """
 
     counts: list[int]
     calls: list[TowerInput]
     rows: np.ndarray | None = None
     grid: np.ndarray | None = None
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -147,6 +152,9 @@ class Family:
     # a modality whose items fill another's placeholder token (InternVL's video frames: {"video": "image"}):
     # its tokens are told apart by the items' order in the prompt
     shared_placeholders: ClassVar[dict[str, str]] = {}
+    # the LAYOUT_EXTRAS request fields it takes with a modality's embeddings (Qwen3-VL: video_timestamps),
+    # handed to precomputed() by name
+    layout_extras: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, name: str):
         self.name = name
@@ -200,9 +208,10 @@ class Family:
         :class:`MmzooError` naming the item for anything unreadable."""
         raise NotImplementedError
 
-    def precomputed(self, kind: str, embeds: Any, layout: Any, hidden_size: int) -> Media:
-        """``{kind}_embeds`` (and its layout field, ``*_grid_thw`` / ``*_lengths``, or None) ->
-        placeholder counts and one precomputed-embeddings call."""
+    def precomputed(self, kind: str, embeds: Any, layout: Any, hidden_size: int, **extras: Any) -> Media:
+        """``{kind}_embeds`` (and its layout field, ``*_grid_thw`` / ``*_lengths``, or None; and the
+        given :attr:`layout_extras` of ``kind``, by name) -> placeholder counts and one
+        precomputed-embeddings call."""
         raise NotImplementedError
 
     def positions(self, input_ids: np.ndarray, media: dict[str, Media]) -> tuple[np.ndarray, int]:
@@ -304,7 +313,7 @@ class Family:
     # -- the shared template -------------------------------------------------------------------
     def accepts(self) -> frozenset[str]:
         """The request fields this family takes."""
-        return TEXT_FIELDS | {f for kind in self.modalities for f in MEDIA_FIELDS[kind]}
+        return TEXT_FIELDS | {f for kind in self.modalities for f in MEDIA_FIELDS[kind]} | set(self.layout_extras)
 
     def refuse(self, request: Request) -> None:
         given = [f.name for f in fields(Request) if f.name not in self.accepts() and _given(getattr(request, f.name))]
@@ -325,12 +334,15 @@ class Family:
         for kind in self.modalities:
             raw_field, emb_field, layout_field = MEDIA_FIELDS[kind]
             raw, emb, layout = (getattr(request, f) for f in MEDIA_FIELDS[kind])
+            extras = {f: getattr(request, f) for f in self.layout_extras
+                      if LAYOUT_EXTRAS[f] == kind and getattr(request, f) is not None}
             if emb is not None:
                 if raw:
                     raise MmzooError(f"give {raw_field} or {emb_field}, not both")
-                media[kind] = self.precomputed(kind, emb, layout, hidden_size)
-            elif layout is not None:
-                raise MmzooError(f"{layout_field} given without {emb_field}")
+                media[kind] = self.precomputed(kind, emb, layout, hidden_size, **extras)
+            elif layout is not None or extras:
+                raise MmzooError(f"{layout_field if layout is not None else next(iter(extras))} given without "
+                                 f"{emb_field}")
             elif raw:
                 if isinstance(raw, (str, bytes)):
                     raise MmzooError(f"{raw_field} must be a list, got the string {raw!r}")
@@ -367,8 +379,9 @@ class Family:
         grids = {k: m.grid for k, m in media.items() if m.grid is not None}
         lengths = {k: np.asarray(m.counts, np.int64) for k, m in media.items()
                    if MEDIA_FIELDS[k][2].endswith("_lengths")}
+        extras = {name: value for m in media.values() for name, value in m.extras.items()}
         return Prepared(request=request, input_ids=input_ids, positions=positions, position_delta=delta,
-                        mm_index=mm_index, media=calls, grids=grids, lengths=lengths)
+                        mm_index=mm_index, media=calls, grids=grids, lengths=lengths, extras=extras)
 
 
 def _placeholder_positions(ids: np.ndarray, tokens: dict[str, int], counts: dict[str, list[int]],

@@ -16,7 +16,8 @@ checks it keeps):
 * videos: every temporal step (two frames) is written as ``<t seconds>`` then its own
   ``<|vision_start|>`` ... ``<|vision_end|>`` run (the processor's ``replace_video_token``), and
   each step is positioned as a one-frame image (transformers' ``get_rope_index`` splits the video
-  grid the same way).
+  grid the same way); ``video_embeds`` come with ``video_timestamps`` (each step's seconds), which
+  ``mmzoo.encode`` writes, so a video's embeddings give its raw frames' prompt.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Qwen3VL(Qwen2VL):
     tiny_checkpoint = "make_tiny_qwen3_vl"
     vit_width_key, merger_width_key = "hidden_size", "out_hidden_size"
     video_kwargs: ClassVar[dict] = {"return_metadata": True}  # the frame indices and rate: the timestamps
+    layout_extras = ("video_timestamps",)  # video_embeds' timestamps (mmzoo.encode writes them)
     # each DeepStack merger's two linears, Megatron's pair like the main merger's
     tp_plan = extend_tp_plan({"towers.*.adapter.deepstack.*.mlp.0.*": "colwise",
                               "towers.*.adapter.deepstack.*.mlp.2.*": "rowwise"}, Qwen2VL.tp_plan)
@@ -88,8 +90,23 @@ class Qwen3VL(Qwen2VL):
         the processor's metadata for their timestamps."""
         pixels, grid, out = self.process(kind, items, processor)
         media = self.item_calls(pixels, grid)
-        return FramedMedia(counts=media.counts, calls=media.calls, grid=grid,
-                           metadata=list(out["video_metadata"]) if kind == "video" else None)
+        if kind != "video":
+            return FramedMedia(counts=media.counts, calls=media.calls, grid=grid)
+        metadata = list(out["video_metadata"])
+        steps = np.concatenate([self.step_seconds(m) for m in metadata])  # float64, as the prompt's text is made
+        return FramedMedia(counts=media.counts, calls=media.calls, grid=grid, metadata=metadata,
+                           extras={"video_timestamps": steps})
+
+    def step_seconds(self, metadata) -> np.ndarray:
+        """A video's temporal steps' timestamps, as its processor writes them: the mean time of each
+        step's frames (the kept frames' indices over the rate, 24 fps when the video has none; the last
+        frame repeated to fill the last step)."""
+        fps = 24.0 if metadata.fps is None else float(metadata.fps)
+        frames = [float(i) for i in np.asarray(metadata.frames_indices).reshape(-1)]
+        k = self.temporal_patch_size
+        frames += frames[-1:] * (-len(frames) % k)
+        seconds = [i / fps for i in frames]
+        return np.array([(seconds[i] + seconds[i + k - 1]) / 2 for i in range(0, len(seconds), k)])
 
     def item_calls(self, pixels: np.ndarray, grid: np.ndarray) -> Media:
         media = super().item_calls(pixels, grid)
@@ -100,13 +117,13 @@ class Qwen3VL(Qwen2VL):
                                  float32=frozenset({"interp_weights"})))
         return replace(media, calls=calls)
 
-    def precomputed(self, kind: str, embeds, layout, hidden_size: int) -> Media:
+    def precomputed(self, kind: str, embeds, layout, hidden_size: int, video_timestamps=None) -> Media:
         """Qwen2-VL's, with rows ``(1 + deepstack_levels) * hidden_size`` wide (the main embedding
         and each DeepStack level, as :meth:`mmzoo.Engine.encode` writes them). A video's timestamps
-        are those of ``2 t`` frames kept whole at 24 fps (what transformers' video processor assumes
-        of frames given without a rate): the raw video's own for one the processor did not sample
-        (up to 4 frames); the embeddings carry no frame indices, so a longer video's prompt writes
-        other timestamps than its raw frames' would."""
+        are ``video_timestamps`` (one per temporal step, as ``mmzoo.encode`` writes them from the
+        processor's metadata); without them, those of ``2 t`` frames kept whole at 24 fps (what
+        transformers' video processor gives frames passed without a rate), the raw video's own only
+        for one the processor did not sample (up to 4 frames)."""
         width = hidden_size * (1 + self.deepstack_levels)
         for i, part in enumerate(embeds if isinstance(embeds, (list, tuple)) else [embeds]):
             shape = getattr(part, "shape", None)
@@ -116,10 +133,23 @@ class Qwen3VL(Qwen2VL):
                                  f"LM's hidden size {hidden_size} for the embedding, then as many for each of its "
                                  f"{self.deepstack_levels} DeepStack levels (mmzoo.encode writes them so)")
         media = super().precomputed(kind, embeds, layout, width)
-        metadata = None
-        if kind == "video":
-            metadata = [unsampled_metadata(int(t) * self.temporal_patch_size) for t in media.grid[:, 0]]
-        return FramedMedia(counts=media.counts, calls=media.calls, grid=media.grid, metadata=metadata)
+        if kind != "video":
+            return FramedMedia(counts=media.counts, calls=media.calls, grid=media.grid)
+        steps = [int(t) for t in media.grid[:, 0]]
+        if video_timestamps is None:
+            metadata = [unsampled_metadata(t * self.temporal_patch_size) for t in steps]
+            return FramedMedia(counts=media.counts, calls=media.calls, grid=media.grid, metadata=metadata)
+        from transformers.video_utils import VideoMetadata
+
+        seconds = as_seconds(video_timestamps, sum(steps))
+        # each step's frames all at its time: the processor's mean of them is that time
+        k, metadata, at = self.temporal_patch_size, [], 0
+        for t in steps:
+            metadata.append(VideoMetadata(total_num_frames=t * k, fps=1.0,
+                                          frames_indices=np.repeat(seconds[at:at + t], k)))
+            at += t
+        return FramedMedia(counts=media.counts, calls=media.calls, grid=media.grid, metadata=metadata,
+                           extras={"video_timestamps": seconds})
 
     def expand_placeholder(self, kind: str, media: Media, item: int, processor) -> str:
         """An image: its run of placeholders. A video: the processor's ``replace_video_token``, each
@@ -176,3 +206,18 @@ class Qwen3VL(Qwen2VL):
         return replace(call, inputs={**call.inputs, "interp_indices": np.zeros((rows, 4), np.int64),
                                      "interp_weights": np.zeros((rows, 4), np.float32)},
                        float32=frozenset({"interp_weights"}))
+
+
+def as_seconds(value, steps: int) -> np.ndarray:
+    """``video_timestamps``: ``[steps]`` finite seconds >= 0 (each video's temporal steps in order), float64
+    (the prompt writes them to a tenth of a second, as the processor does from its own float64 values)."""
+    try:
+        seconds = np.asarray(value.cpu() if isinstance(value, torch.Tensor) else value, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError) as e:
+        raise MmzooError(f"video_timestamps is not an array of seconds ({e})") from None
+    if seconds.shape[0] != steps:
+        raise MmzooError(f"video_timestamps has {seconds.shape[0]} entries but video_grid_thw gives {steps} temporal "
+                         f"steps (one timestamp per step)")
+    if not np.all(np.isfinite(seconds)) or (seconds < 0).any():
+        raise MmzooError(f"video_timestamps must be finite seconds >= 0, got {seconds.tolist()}"[:300])
+    return seconds

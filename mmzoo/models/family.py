@@ -6,7 +6,8 @@ checkpoint, and a ``family`` node) plus a :class:`Family` subclass holding only 
 * which media it takes (:attr:`Family.modalities`, an allow-list; every other input is refused
   by name) and the tower they go through (:attr:`Family.tower`);
 * how raw media become tower inputs and how many placeholder tokens each item fills
-  (:meth:`Family.raw_media`), and how precomputed embeddings are counted (:meth:`Family.precomputed`);
+  (:meth:`Family.raw_media`), and how precomputed embeddings are counted (:meth:`Family.precomputed`;
+  with the request fields beside their layout it takes, :attr:`Family.layout_extras`);
 * what each item's placeholder becomes in a rendered prompt and in a token prompt
   (:meth:`Family.expand_placeholder`, :meth:`Family.expand_token_prompt`: its run of placeholders
   unless the family frames its items), and which modality's placeholder token a modality's items

@@ -204,7 +204,24 @@ class PallasAttention(AttentionBackend):
                 and (q_segment_ids is None or q_segment_ids is kv_segment_ids))
 
 
-HOST_KV_QUANTUM = 64  # cache rows a host decode call's keys are padded to a multiple of
+HOST_KV_QUANTUM = 64  # rows a host call's queries and keys are padded to a multiple of
+
+
+def _rows(t, pad: int, value=0):
+    """``t`` (``[b, n]`` ids or ``[b, h, n, d]`` activations, or None) padded by ``pad`` rows along ``n``."""
+    if t is None or not pad:
+        return t
+    return torch.nn.functional.pad(t, (0, 0, 0, pad) if t.dim() == 4 else (0, pad), value=value)
+
+
+def _explicit_masks(q_positions, kv_lengths, *, b: int, sq: int, skv: int, causal: bool) -> tuple:
+    """The kernels' defaults made explicit before padding: causal queries at the last ``sq`` key
+    positions, every sequence ``skv`` keys long (so the padded keys are masked)."""
+    if causal and q_positions is None:
+        q_positions = (torch.arange(sq, dtype=torch.int32) + (skv - sq)).expand(b, sq)
+    if kv_lengths is None:
+        kv_lengths = torch.full((b,), skv, dtype=torch.int32)
+    return q_positions, kv_lengths
 
 
 def _host_decode_padded(q, k, v, q_positions, kv_lengths, *, causal: bool) -> tuple:
@@ -218,12 +235,8 @@ def _host_decode_padded(q, k, v, q_positions, kv_lengths, *, causal: bool) -> tu
     pad = -skv % HOST_KV_QUANTUM
     if not pad:
         return q, k, v, q_positions, kv_lengths
-    if causal and q_positions is None:
-        q_positions = (torch.arange(sq, dtype=torch.int32) + (skv - sq)).expand(b, sq)
-    if kv_lengths is None:
-        kv_lengths = torch.full((b,), skv, dtype=torch.int32)
-    k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (k, v))
-    return q, k, v, q_positions, kv_lengths
+    q_positions, kv_lengths = _explicit_masks(q_positions, kv_lengths, b=b, sq=sq, skv=skv, causal=causal)
+    return q, _rows(k, pad), _rows(v, pad), q_positions, kv_lengths
 
 
 def _host_flash_padded(tensors: tuple, *, causal: bool) -> tuple:
@@ -238,19 +251,10 @@ def _host_flash_padded(tensors: tuple, *, causal: bool) -> tuple:
     pad_q, pad_kv = -sq % HOST_KV_QUANTUM, -skv % HOST_KV_QUANTUM
     if not (pad_q or pad_kv):
         return tensors
-
-    def rows(t, pad, value=0):  # [b, n] ids, or [b, h, n, d] activations, padded along n
-        if t is None or not pad:
-            return t
-        return torch.nn.functional.pad(t, (0, 0, 0, pad) if t.dim() == 4 else (0, pad), value=value)
-
-    if causal and q_positions is None:
-        q_positions = (torch.arange(sq, dtype=torch.int32) + (skv - sq)).expand(b, sq)
-    if kv_lengths is None:
-        kv_lengths = torch.full((b,), skv, dtype=torch.int32)
-    blocks = [rows(blocks[0], pad_q, -1), rows(blocks[1], pad_kv, -1)] if blocks else []
-    return (rows(q, pad_q), rows(k, pad_kv), rows(v, pad_kv), rows(q_seg, pad_q), rows(kv_seg, pad_kv),
-            rows(q_positions, pad_q, -1), kv_lengths, *blocks)
+    q_positions, kv_lengths = _explicit_masks(q_positions, kv_lengths, b=b, sq=sq, skv=skv, causal=causal)
+    blocks = [_rows(blocks[0], pad_q, -1), _rows(blocks[1], pad_kv, -1)] if blocks else []
+    return (_rows(q, pad_q), _rows(k, pad_kv), _rows(v, pad_kv), _rows(q_seg, pad_q), _rows(kv_seg, pad_kv),
+            _rows(q_positions, pad_q, -1), kv_lengths, *blocks)
 
 
 def _to_jax(t: torch.Tensor) -> jax.Array:

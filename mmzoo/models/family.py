@@ -187,8 +187,11 @@ class Family:
 
     def placeholder_token(self, kind: str, processor) -> str:
         """The text of the placeholder token (whose id is the config's ``{kind}_token_id``): the
-        rendered placeholder itself unless the family expands another (Gemma 3's ``<start_of_image>``)."""
-        return self.placeholder(kind, processor)[0]
+        rendered placeholder itself unless the family expands another (Gemma 3's ``<start_of_image>``);
+        for a modality that fills another's token (:attr:`shared_placeholders`), that one's (InternVL's
+        and SmolVLM's rendered ``<video>`` becomes frames of the image token)."""
+        shared = self.shared_placeholders.get(kind)
+        return self.placeholder_token(shared, processor) if shared else self.placeholder(kind, processor)[0]
 
     def expand_placeholder(self, kind: str, media: Media, item: int, processor) -> str:
         """The text the rendered placeholder of ``media``'s ``item`` becomes in the prompt: its count

@@ -128,10 +128,6 @@ class InternVL(SquareItems):
                                why=shuffled_tokens(self.image_size, self.patch_size, self.scale_factor))
 
     # -- media -----------------------------------------------------------------------------------
-    def placeholder_token(self, kind: str, processor) -> str:
-        """The image context token, for videos too (the rendered ``<video>`` becomes frames of it)."""
-        return processor.image_token
-
     def expand_placeholder(self, kind: str, media: Media, item: int, processor) -> str:
         """``<img>`` + the item's placeholders + ``</img>``, as ``InternVLProcessor`` writes an image;
         a video as its ``replace_video_token`` does: ``FrameN: <img>...</img>`` per frame."""

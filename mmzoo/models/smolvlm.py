@@ -131,10 +131,6 @@ class SmolVLM(SquareItems):
             return getattr(processor, "video_token", "<video>"), self.image_token_id
         return super().placeholder(kind, processor)
 
-    def placeholder_token(self, kind: str, processor) -> str:
-        """The image token, for videos too (the rendered ``<video>`` becomes frames of it)."""
-        return processor.image_token
-
     def expand_placeholder(self, kind: str, media: Media, item: int, processor) -> str:
         """The processor's own text for image ``item`` (``replace_image_token``): its tiles framed
         by row and column, then its global view; for video ``item`` (``replace_video_token``): the

@@ -63,7 +63,7 @@ class StructuredOutputs:
         return self._given()[0]
 
 
-@pydantic_dataclass(config=ConfigDict(arbitrary_types_allowed=True, validate_assignment=True))
+@pydantic_dataclass(config=ConfigDict(arbitrary_types_allowed=True, validate_assignment=True, extra="forbid"))
 class Request:
     """One generation request, as a user, a ``requests=`` line or the Python API gives it.
 

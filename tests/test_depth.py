@@ -56,14 +56,19 @@ def reference(deep_ckpt, images):
     return parity.reference(deep_ckpt, "Qwen2VLForConditionalGeneration", "image", images, sorted(PROMPTS), PROMPTS)
 
 
+# executor.compile.layer_graphs: each block a graph of its own, compiled once per kind of block
+LAYERS = dict(XLA, warmup="needed", compile={"layer_graphs": True, "on_recompile": "ignore"})
+
+
 @pytest.fixture(scope="module", ids="-".join,
                 params=[(e, a) for e in parity.EXECUTORS for a in config.options("attention")
-                        if (e, a) != ("eager", "pallas")])
+                        if (e, a) != ("eager", "pallas")] + [("xla", "sdpa", "layers"), ("xla", "pallas", "layers")])
 def engine(request, deep_ckpt):
-    """One engine per (executor, backend), the tests grouped by it; dropped from parity's session
-    cache when its tests are done, so that one deep engine is alive at a time, not six for the
-    rest of the session."""
-    engine = parity.engine(deep_ckpt, *request.param, **XLA)
+    """One engine per (executor, backend[, layer graphs]), the tests grouped by it; dropped from
+    parity's session cache when its tests are done, so that one deep engine is alive at a time,
+    not eight for the rest of the session."""
+    executor, attention, *layers = request.param
+    engine = parity.engine(deep_ckpt, executor, attention, **(LAYERS if layers else XLA))
     yield engine
     for key in [k for k, v in parity._ENGINES.items() if v is engine]:
         del parity._ENGINES[key]
@@ -81,3 +86,28 @@ def test_deep_matches_transformers(engine, images, reference, n):
     assert result.prompt_token_ids == ref["ids"]
     assert result.token_ids == ref["tokens"]
     assert result.finish_reason == "length"
+
+
+def test_layer_graphs_do_not_grow_with_depth(engine, images, tmp_path):
+    """With layer graphs, the 28-layer LM and the 32-block ViT run as the graphs a 4-layer, 4-block
+    model of the same width runs: the same set of compiled block graphs, so compile time does not
+    grow with depth (the unrolled form's graphs hold every layer)."""
+    replay = getattr(engine.executor, "layer_replay", None)
+    if replay is None:
+        pytest.skip("the unrolled form")
+    from mmzoo.fixtures import make_tiny_qwen2_vl
+
+    shallow_ckpt = make_tiny_qwen2_vl(tmp_path / "shallow", seed=0, num_layers=4, vision_depth=4, **WIDTH)
+    backend = engine.executor.model.lm.layers[0].attn.attn_fn.name
+    shallow = mmzoo.load(shallow_ckpt, executor="xla", attention=backend, max_model_len=256, **LAYERS)
+    for e in (engine, shallow):  # what test_deep_matches_transformers does, whether it ran or not
+        for n in sorted(PROMPTS):
+            req = mmzoo.Request(prompt=PROMPTS[n], images=images[:n], **parity.GEN)
+            e.executor.prompt_logits(e.prepare(req))
+            e.warm([req])  # warmed up for the request, its run compiles nothing
+            compiled = e.executor.compiled_graphs()
+            assert e.generate(req).error is None
+            assert e.executor.compiled_graphs() == compiled
+    deep_graphs, shallow_graphs = replay.graphs(), shallow.executor.layer_replay.graphs()
+    assert deep_graphs == shallow_graphs
+    assert replay.calls() >= 28 + 32 > len(deep_graphs)

@@ -463,6 +463,18 @@ def test_a_single_bad_request_raises_naming_the_field(engine, bad):
         engine.generate("hi", max_new_tokens="3")
 
 
+def test_unknown_fields_are_refused_however_a_request_is_made(engine):
+    """``max_tokens`` (the OpenAI name) is not a field: refused, not ignored with the default's 32 tokens."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="max_tokens"):
+        Request(prompt="hi", max_tokens=3)
+    with pytest.raises(MmzooError, match="unknown field 'max_tokens'"):
+        engine.generate("hi", max_tokens=3)
+    with pytest.raises(MmzooError, match="unknown field 'max_tokens'"):
+        engine.generate({"prompt": "hi", "max_tokens": 3})
+
+
 # ----------------------------------------------------------------------------- threads
 
 def test_two_threads_on_one_engine_get_their_own_results(engine):

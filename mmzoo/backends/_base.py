@@ -86,6 +86,13 @@ class AttentionBackend:
         memos[sliding_window] = (key, mask)
         return mask
 
+    def forget(self) -> None:
+        """Drop what :meth:`folded_mask` and :meth:`windowed` keep for the rest of a forward: a caller
+        tracing each layer as a graph of its own (:mod:`mmzoo.executor._layers`) builds each
+        layer's mask inside that layer's graph."""
+        self.__dict__.pop("_mask_memo", None)
+        self.__dict__.pop("_window_memo", None)
+
     def windowed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: int,
                  q_segment_ids: torch.Tensor, kv_segment_ids: torch.Tensor,
                  sliding_window: int | None = None, q_blocks: torch.Tensor | None = None,

@@ -2,11 +2,11 @@
 ``python -m mmzoo.bench._real_size_worker SPEC.json OUT.json``.
 
 ``SPEC.json`` names the mode (``bench`` or ``logits``), the system (``transformers``,
-``mmzoo-xla``, ``mmzoo-eager``), the checkpoint, the run dtype and the requests; ``OUT.json``
+``mmzoo-xla``, ``mmzoo-xla-layers`` (``executor.compile.layer_graphs=true``), ``mmzoo-eager``), the checkpoint, the run dtype and the requests; ``OUT.json``
 gets the figures, or ``{"error": ...}`` (exit status 1). One model per process, so that the
 process's peak RSS (``ru_maxrss``, read at its end) is that system's own.
 
-* ``bench``: load (timed); with ``mmzoo-xla``, compile untimed what the requests need
+* ``bench``: load (timed); with ``mmzoo-xla[-layers]``, compile untimed what the requests need
   (``Engine.warm``); one untimed run of each request set with 2 new tokens (one-time costs out of
   the figures); then, timed: the image request alone (TTFT, batch-1 decode) and the batch of text
   requests at once (transformers: one left-padded ``generate``).
@@ -59,8 +59,9 @@ class _System:
             return
         import mmzoo
 
-        kind = self.system.split("-", 1)[1]
-        extra = {"warmup": "needed", "compile": {"on_recompile": "warn"}} if kind == "xla" else {}
+        kind = self.system.split("-")[1]
+        extra = {"warmup": "needed", "compile": {"on_recompile": "warn", "layer_graphs": self.system.endswith("-layers")}
+                 } if kind == "xla" else {}
         self.engine = mmzoo.load(self.spec["checkpoint"], model="qwen2_vl", executor=kind, dtype=self.dtype,
                                  max_model_len=int(self.spec["max_model_len"]), max_batch=int(self.spec["batch"]),
                                  progress=False, **extra)
@@ -133,13 +134,13 @@ def bench(spec: dict) -> dict:
     one, batch = _requests(spec, new)
     prime_one, prime_batch = _requests(spec, 2)
     exe = system.engine.executor if system.engine is not None else None
-    if system.system == "mmzoo-xla":  # untimed: every graph these runs hit (a call per run: a run packs its prompts)
+    if system.system.startswith("mmzoo-xla"):  # untimed: every graph these runs hit (a call per run: a run packs its prompts)
         out["warmup_s"] = sum(system.engine.warm(run) for run in ([one], batch, [prime_one], prime_batch))
         out["compile_s"] = exe.compile_seconds()  # XLA's compiler, in this process
         out["graphs_compiled"] = exe.compiled_graphs()
     system.run([prime_one])  # untimed: one-time costs (allocations, kernel selection, first graph runs)
     system.run(prime_batch)
-    before = exe.compiled_graphs() if system.system == "mmzoo-xla" else None
+    before = exe.compiled_graphs() if system.system.startswith("mmzoo-xla") else None
     prompt_len, tokens, times = system.run([one])
     gap = _median_gap(times)
     out.update(prompt_tokens=prompt_len, ttft_ms=times[0] * 1e3, decode_b1_tok_s=1 / gap if gap else None,

@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 from mmzoo.bench.workload import say
 from mmzoo.errors import MmzooError
 
-SYSTEMS = ("transformers", "mmzoo-xla", "mmzoo-eager")
+SYSTEMS = ("transformers", "mmzoo-xla", "mmzoo-xla-layers", "mmzoo-eager")  # -layers: executor.compile.layer_graphs=true
 BYTES = {"float32": 4, "bfloat16": 2}
 GB = 1e9
 

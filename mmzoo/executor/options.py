@@ -195,19 +195,27 @@ class CompileSpec:
         on_recompile: ``error``, ``warn`` or ``ignore`` when a graph compiles after warmup.
         cache_dir: persistent XLA compilation cache (None: off; PJRT's CPU client cannot read it back).
         replay_steps: after warmup, run each step as its compiled graph with new inputs instead of
-            tracing it again on every call (:mod:`mmzoo.executor._replay`); ``auto``: without a
+            tracing it again on every call (:mod:`mmzoo.executor._replay`); with ``layer_graphs``,
+            each block's graph instead (the rest of a step is traced per call); ``auto``: without a
             device mesh.
+        layer_graphs: compile each layer once: each transformer block of the model (the LM's
+            layers, each tower's blocks) runs as a graph of its own, so the blocks of a stack share
+            one compiled graph and compile time does not grow with depth
+            (:mod:`mmzoo.executor._layers`). ``auto``: off, the unrolled graphs, which decode
+            faster once compiled on the XLA CPU client (measured: docs/benchmarks.md).
     """
 
     warmup: Any = "all"
     on_recompile: str = "warn"
     cache_dir: str | None = None
     replay_steps: Any = "auto"
+    layer_graphs: Any = "auto"
 
     def __post_init__(self):
         if self.on_recompile not in ("error", "warn", "ignore"):
             raise ValueError(f"executor.compile.on_recompile={self.on_recompile!r}: choose error, warn or ignore")
         auto_or_bool("executor.compile.replay_steps", self.replay_steps)
+        auto_or_bool("executor.compile.layer_graphs", self.layer_graphs)
         if self.mode not in ("all", "needed", "none"):
             raise ValueError(f"executor.compile.warmup={self.warmup!r}: choose all, needed or none")
 

@@ -81,6 +81,8 @@ class XLAExecutor(Executor):
         self.do_warmup = spec.mode == "all"
         self.layouts: LayoutSpec | None = None  # resolve(): every layout as true or false
         self.replaying = False  # resolve(): replay_steps against the mesh
+        self.layer_graphs = False  # resolve(): layer_graphs as true or false
+        self.replaying_blocks = False  # resolve(): with layer_graphs, each block's graph replayed
         self._replays: dict = {}  # step key (kind and static shape) -> ReplayedStep
         # the state tensors donated to the last two replayed steps: dropping a donated tensor waits
         # for the step that consumed it, so they are let go only once that step is surely done
@@ -112,8 +114,12 @@ class XLAExecutor(Executor):
         auto = {"transpose_weights": alone, "fuse_projections": alone, "rotary_table": True,
                 "transpose_keys": alone and all(b.matmul_keys for b in backends)}
         self.layouts = LayoutSpec(**{k: auto[k] if v == "auto" else bool(v) for k, v in asdict(spec).items()})
+        cut = self.compile_spec.layer_graphs
+        self.layer_graphs = False if cut == "auto" else bool(cut)
         replay = self.compile_spec.replay_steps
-        self.replaying = not mesh if replay == "auto" else bool(replay)
+        replaying = not mesh if replay == "auto" else bool(replay)
+        # with layer graphs, the blocks are replayed (mmzoo.executor._layers) and the rest of a step traced per call
+        self.replaying, self.replaying_blocks = replaying and not self.layer_graphs, replaying and self.layer_graphs
         return self.bucket_spec.resolve(max_model_len=self.max_model_len, max_batch=self.max_batch,
                                         max_prefill_tokens=self.max_prefill_tokens,
                                         towers={t: m.encoder for t, m in model.towers.items()},
@@ -122,7 +128,8 @@ class XLAExecutor(Executor):
     def resolved(self) -> str:
         on = ", ".join(f"{k}={'on' if v else 'off'}" for k, v in asdict(self.layouts).items())
         return (f"buckets: {self.buckets.describe()}; layout: {on}; compile: warmup={self.warmup_mode}, "
-                f"replay_steps={'on' if self.replaying else 'off'}, on_recompile={self.on_recompile}")
+                f"replay_steps={'on' if self.replaying or self.replaying_blocks else 'off'}, "
+                f"layer_graphs={'on' if self.layer_graphs else 'off'}, on_recompile={self.on_recompile}")
 
     def _cpu_alone(self) -> bool:
         """On the XLA CPU client without a device mesh: where the ``auto`` layouts apply."""
@@ -138,7 +145,16 @@ class XLAExecutor(Executor):
 
     # -- layout ---------------------------------------------------------------------------------
     def prepare_model(self, model) -> None:
-        """Tabulate the rotaries of the LM and the towers (``rotary_table``) before the model is placed."""
+        """Tabulate the rotaries of the LM and the towers (``rotary_table``) before the model is
+        placed; with ``layer_graphs``, run each of its transformer blocks as a graph of its own
+        (:mod:`mmzoo.executor._layers`)."""
+        if self.layer_graphs:
+            from mmzoo.executor import _layers
+
+            if self.replaying_blocks:
+                self._blocks = _layers.LayerReplay(model)
+            else:
+                self._blocks = _layers.cut_at_blocks(model, self._xla.sync)
         if self.layouts.rotary_table:
             model.lm.rotary.tabulate(self.max_model_len)
             if model.lm.sliding_rotary is not None:  # the sliding layers' own RoPE (Gemma 3), same positions
@@ -146,6 +162,15 @@ class XLAExecutor(Executor):
             for name, tower in model.towers.items():
                 if tower.encoder.rotary_input:
                     tower.encoder.rotary.tabulate(self.buckets.tower(name)[-1])
+
+    @property
+    def layer_replay(self):
+        """With ``layer_graphs`` and replay: the :class:`~mmzoo.executor._layers.LayerReplay` running
+        the model's blocks (its graphs); else None."""
+        from mmzoo.executor._layers import LayerReplay
+
+        blocks = getattr(self, "_blocks", None)
+        return blocks if isinstance(blocks, LayerReplay) else None
 
     def layout(self, name: str, unit, whole: bool) -> None:
         """Stack q/k/v and gate/up into one linear each (``fuse_projections``), then hold linear

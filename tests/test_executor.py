@@ -376,6 +376,30 @@ def test_steps_replay_their_compiled_graphs(xla_engine, qwen2_vl_ckpt, image_fil
     assert exe.compiled_graphs() == before
 
 
+@pytest.mark.parametrize("replay", [True, False], ids=["replayed", "cut"])
+def test_layer_graphs_give_the_unrolled_graphs_tokens(xla_engine, qwen2_vl_ckpt, image_files, replay):
+    """``executor.compile.layer_graphs``: each transformer block a graph of its own, replayed per
+    block, or (``replay_steps=false``, as under a device mesh) the traced step cut before and
+    after each block. The mixed workload (greedy and sampled rows, 0-3 images, slots refilled)
+    gives the unrolled graphs' tokens, with nothing compiled after its warmup."""
+    engine = mmzoo.load(qwen2_vl_ckpt, executor="xla", attention="sdpa", max_batch=3, warmup="needed",
+                        compile={"on_recompile": "error", "layer_graphs": True,
+                                 "replay_steps": "auto" if replay else False}, **SMALL)
+    exe = engine.executor
+    assert exe.layer_graphs and (exe.layer_replay is not None) == replay and exe._replays == {}
+    assert "replay_steps=" + ("on" if replay else "off") + ", layer_graphs=on" in exe.resolved()
+    assert "layer_graphs=off" in xla_engine.executor.resolved()  # auto: the unrolled graphs
+    reqs = workload(image_files)
+    assert [r.token_ids for r in engine.generate(reqs)] == [r.token_ids for r in xla_engine.generate(reqs)]
+    if replay:  # every block of the LM and of the ViT ran as replayed graphs (tests/test_depth.py: shared at depth)
+        from mmzoo.executor._layers import blocks
+
+        assert len(blocks(exe.model)) == len(exe.model.lm.layers) + len(exe.model.towers["vision"].encoder.blocks)
+        assert {key[0] for key in exe.layer_replay.steps} == {id(b) for b in blocks(exe.model)}
+    with pytest.raises(ValueError, match="executor.compile.layer_graphs='yes': choose auto, true or false"):
+        mmzoo.load(qwen2_vl_ckpt, executor="xla", compile={"layer_graphs": "yes"}, **SMALL)
+
+
 def test_replayed_steps_emit_the_state_in_its_parameters_order(xla_engine):
     """XLA pairs donated buffers with the outputs of their shape in order, so every replayed step
     emits its updated state in the order the state's parameters enter the graph. A decode step

@@ -43,16 +43,13 @@ QWEN2_VL_XLA = {"max_model_len": 128, "max_batch": 2, "buckets": {"prefill": [64
 FAMILY_XLA = {"max_model_len": 160, "max_batch": 2,
               "buckets": {"prefill": [128], "min_encoder_rows": 64, "max_encoder_rows": 64}}
 # (name, family, checkpoint, mesh, attention, executor options): every backend at tp=2, then the other meshes,
-# one with fused q/k/v and gate/up projections (split column-wise like their parts), one with layer graphs; then every family at
+# one with fused q/k/v and gate/up projections (split column-wise like their parts); then every family at
 # dp=2 x tp=2 with Pallas, whose kernels run per shard on each tower's own attention inputs (segments, lengths);
 # Qwen2-VL's own there is qwen2_vl-tp2-pallas and qwen2_vl-dp2tp2-sdpa together (its 4-head tower at both)
 OTHER_FAMILIES = sorted(set(FAMILIES) - {"qwen2_vl"})
 CASES = [("qwen2_vl-tp2-sdpa", "qwen2_vl", MESH, {"model": 2}, "sdpa", QWEN2_VL_XLA),
          ("qwen2_vl-tp2-sdpa-fused", "qwen2_vl", MESH, {"model": 2}, "sdpa", dict(QWEN2_VL_XLA, layout={"fuse_projections": True})),
          ("qwen2_vl-tp2-eager", "qwen2_vl", MESH, {"model": 2}, "eager", QWEN2_VL_XLA),
-         # each block a graph of its own (executor.compile.layer_graphs: traced per call, cut at each block)
-         ("qwen2_vl-tp2-sdpa-layers", "qwen2_vl", MESH, {"model": 2}, "sdpa",
-          dict(QWEN2_VL_XLA, compile={"layer_graphs": True})),
          ("qwen2_vl-tp2-pallas", "qwen2_vl", MESH, {"model": 2}, "pallas", QWEN2_VL_XLA),
          ("qwen2_vl-tp4-pallas", "qwen2_vl", MESH, {"model": 4}, "pallas", QWEN2_VL_XLA),  # 2 kv heads < 4: replicated
          ("qwen2_vl-dp2tp2-sdpa", "qwen2_vl", MESH, {"data": 2, "model": 2}, "sdpa", QWEN2_VL_XLA),

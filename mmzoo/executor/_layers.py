@@ -6,9 +6,10 @@ take 8.2 s). With layer graphs, each transformer block of the model (the LM's la
 blocks: one :class:`~mmzoo.layers.TransformerBlock` class for all) runs as a graph of its own. A
 block's weights and its layer's KV-cache tensors are that graph's parameters, not part of it, so
 every block of a stack traces to the same graph and XLA compiles it once per step shape (a few
-kinds where blocks differ: the last layer of a prefill, which runs at the prompts' last rows only,
-sliding-window layers, a ViT's windowed blocks); what comes before the first block and after the
-last (embeddings, the media merge, the LM head) is traced as usual.
+kinds where blocks differ: the first block of a stack, whose inputs come straight from the traced
+step, the last layer of a prefill, which runs at the prompts' last rows only, sliding-window
+layers, a ViT's windowed blocks); what comes before the first block and after the last
+(embeddings, the media merge, the LM head) is traced as usual.
 
 Two ways to run them, both from the executor's own copy of the model (the modules' code is not
 changed; the executor wraps each block's ``forward`` on its copy):

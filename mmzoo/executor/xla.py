@@ -83,6 +83,7 @@ class XLAExecutor(Executor):
         self.replaying = False  # resolve(): replay_steps against the mesh
         self.layer_graphs = False  # resolve(): layer_graphs as true or false
         self.replaying_blocks = False  # resolve(): with layer_graphs, each block's graph replayed
+        self._blocks = None  # prepare_model() with layer_graphs: the LayerReplay, or the cut hooks' handles
         self._replays: dict = {}  # step key (kind and static shape) -> ReplayedStep
         # the state tensors donated to the last two replayed steps: dropping a donated tensor waits
         # for the step that consumed it, so they are let go only once that step is surely done
@@ -169,8 +170,7 @@ class XLAExecutor(Executor):
         the model's blocks (its graphs); else None."""
         from mmzoo.executor._layers import LayerReplay
 
-        blocks = getattr(self, "_blocks", None)
-        return blocks if isinstance(blocks, LayerReplay) else None
+        return self._blocks if isinstance(self._blocks, LayerReplay) else None
 
     def layout(self, name: str, unit, whole: bool) -> None:
         """Stack q/k/v and gate/up into one linear each (``fuse_projections``), then hold linear

@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/python -m mmzoo.infer model=qwen2_vl attention=pallas
 
 # the test suite (CI runs this): two workers, a test file each at a time (a file's module fixtures, such
-# as test_sharding's SPMD subprocess, run once); 11-14 min on 2 cores. It leaves out the tests marked
+# as test_sharding's SPMD subprocess, run once); 14-16 min on 2 cores. It leaves out the tests marked
 # as slow (end-to-end runs of fresh processes whose parts other tests cover; see the README)
 # The files run in two pytest sessions, half each, so each worker process is fresh halfway: a process
 # keeps every XLA:CPU executable it compiled (100-260 memory maps each), and one worker that ran half

@@ -85,7 +85,7 @@ class LayerReplay:
         pending = self._C._check_tensor_need_materialization(tensors)
         if any(pending):  # what the step traced before this block (a view of it: a copy) runs now, as a graph
             tensors = [t.clone() if p else t for t, p in zip(tensors, pending)]
-            self._sync(wait=True)
+            self._sync()
         view_key = None if cache is None else (type(cache), getattr(cache, "kv_len", None), getattr(cache, "rows", None))
         key = (id(block), rope is None, attn_kwargs is None, view_key,
                tuple((n, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (n, v) for n, v in named))

@@ -106,8 +106,7 @@ class ReplayedStep:
         if any(pending):  # e.g. an input converted on the device, not yet run
             import torch_xla
 
-            # and wait for it: the executable cannot be given an input whose value is still being computed
-            torch_xla.sync(wait=True)
+            torch_xla.sync()
         for t in state:
             C._set_buffer_donation(t, True)
         args = [(inputs if p[0] == "input" else state)[p[1]] if isinstance(p, tuple) else p for p in self.params]

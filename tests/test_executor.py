@@ -109,6 +109,21 @@ def test_stop_tokens(eager_engine):
     assert stopped.token_ids == tokens[:cut] and stopped.finish_reason == "stop"
 
 
+def test_the_loop_releases_host_memory_once_it_has_nothing_to_run(eager_engine, monkeypatch):
+    """``Executor.idle`` (the freed host memory back to the system) runs once each time the loop empties,
+    never between the steps of a run."""
+    exe = eager_engine.executor
+    calls, steps = [], []
+    idle, decode = exe.idle, exe.decode
+    monkeypatch.setattr(exe, "idle", lambda: (calls.append(len(steps)), idle())[1])
+    monkeypatch.setattr(exe, "decode", lambda *a, **k: (steps.append(1), decode(*a, **k))[1])
+    reqs = [{"prompt": "hello there", "max_new_tokens": n, "ignore_eos": True} for n in (3, 6)]
+    eager_engine.generate(reqs)
+    assert calls == [len(steps)] and len(steps) >= 5
+    eager_engine.generate(reqs[:1])
+    assert len(calls) == 2 and calls[1] == len(steps)
+
+
 @pytest.mark.parametrize("engine", ["xla_engine", "eager_engine"])
 def test_early_stops_in_a_full_batch_equal_each_request_alone(engine, request, image_files):
     """Decode runs one step ahead of the tokens read back, so a sequence that stops has had one

@@ -208,3 +208,43 @@ def test_the_cache_stores_what_a_prompt_writes_finite_and_leaves_the_rest(keys_t
         assert torch.equal(values[1, :, :3], torch.tensor([1.0, 0.0, 3.0, 0.0]).expand(2, 3, 4))
         assert (keys[1, :, 3:] == 7).all() and (values[1, :, 3:] == 7).all()
         assert (keys[0] == 7).all() and (values[0] == 7).all()
+
+
+def _resident(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s memory the system has given pages for (``mincore`` over its pages)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = -(-length // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(b & 1 for b in vec) * mmap.PAGESIZE
+
+
+@pytest.mark.parametrize("keys_transposed", [False, True], ids=["keys", "keys-transposed"])
+def test_a_host_cache_takes_memory_as_its_slots_are_written(keys_transposed):
+    """On the host, the cache reserves its slots and takes a page of memory when it is first written:
+    256 MB reserved, one slot of 8 written 64 positions deep, 1 MB held (keys held transposed: 16.5 MB);
+    it holds what was written and reads as zeros elsewhere."""
+    layers, slots, heads, max_len, dim = 16, 8, 2, 2048, 128  # 16 x 2 x 8 MB
+    cache = KVCache(num_layers=layers, num_slots=slots, num_kv_heads=heads, max_len=max_len, head_dim=dim,
+                    dtype=torch.bfloat16, keys_transposed=keys_transposed)
+    tensors = cache.k + cache.v
+    assert sum(t.numel() * t.element_size() for t in tensors) == 256 * 2 ** 20
+    assert sum(_resident(t) for t in tensors) == 0
+    k = torch.randn(1, heads, 64, dim).to(torch.bfloat16)
+    v = torch.randn(1, heads, 64, dim).to(torch.bfloat16)
+    view = cache.prefill(torch.tensor([3]), torch.arange(64)[None])
+    for layer in range(layers):
+        view.update(layer, k, v)
+    # written: 16 layers x 2 heads x 64 positions x 256 B, keys and values = 1 MB in 4 KB pages (a
+    # transposed key's 64 positions are in each of its 128 rows: a page each, 16 x 2 x 128 x 4 KB = 16 MB)
+    held = sum(_resident(t) for t in tensors)
+    assert held == (16.5 if keys_transposed else 1) * 2 ** 20, f"{held / 2 ** 20:.2f} MB of 256 MB"
+    for layer in range(layers):
+        assert torch.equal(cache.keys(layer)[3, :, :64], k[0]) and torch.equal(cache.v[layer][3, :, :64], v[0])
+        assert not cache.keys(layer)[3, :, 64:].any() and not cache.keys(layer)[:3].any()

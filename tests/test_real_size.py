@@ -162,7 +162,7 @@ def test_smoke_stage_in_fresh_processes(tmp_path):
     for r in rows.values():
         assert "error" not in r and "does_not_fit" not in r, r
         assert r["new_tokens"] == 4 and r["batch"] == 8 and r["peak_rss_gb"] > 0
-        assert all(r[k] > 0 for k in ("load_s", "ttft_ms", "decode_b1_tok_s", "decode_batch_tok_s"))
+        assert all(r[k] > 0 for k in ("load_s", "first_answer_s", "ttft_ms", "decode_b1_tok_s", "decode_batch_tok_s"))
         assert r["prompt_tokens"] == res["presets"]["tiny_deep"]["prompt_tokens"]
     pairs = {(c["run"], c["reference"]): c for c in res["logits"]["tiny_deep"]["comparisons"]}
     assert set(pairs) == {("transformers bfloat16", "transformers float32"),

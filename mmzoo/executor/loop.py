@@ -203,6 +203,8 @@ class Generation:
             running = {slot: seq for slot, seq in go.items() if sched.running.get(slot) is seq}
             launched = (self._constrain(launched[0], running, sampling), launched[1])
         self.inflight = launched
+        if not self.busy:
+            self.exe.idle()
 
     def settle(self) -> None:
         """Wait for a launched step whose tokens nobody will read (a run stopped early)."""

@@ -27,9 +27,18 @@ attention that multiplies ``q @ k^T`` then finds ``k^T`` already in memory: XLA'
 that operand row-major, so with the usual layout it copied every cached key of every layer on
 every decode step (the executor chooses this layout; attention still sees ``[b, h, s, d]``
 keys, as a transposed view).
+
+On the host (a CPU device) the cache is one anonymous memory mapping of zeros: the system gives a
+page memory when it is first written, so the cache grows in the process's memory as its slots fill,
+as transformers' ``DynamicCache`` grows by concatenation, while its addresses and shapes stay fixed
+(a batch-1 request of 256 positions commits about a tenth of the 8 slots x 1024 positions it
+reserves). Positions attention reads that were never written read as zeros.
 """
 
 from __future__ import annotations
+
+import math
+import mmap
 
 import torch
 
@@ -41,8 +50,12 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str = "cpu", keys_transposed: bool = False):
         shape = (num_slots, num_kv_heads, max_len, head_dim)
         kshape = (num_slots, num_kv_heads, head_dim, max_len) if keys_transposed else shape
-        self.k = [torch.zeros(kshape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if torch.device(device).type == "cpu":
+            held = zeros_committed_on_write([kshape, shape] * num_layers, dtype)
+            self.k, self.v = held[0::2], held[1::2]
+        else:
+            self.k = [torch.zeros(kshape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots, self.max_len, self.keys_transposed = num_slots, max_len, keys_transposed
 
     def keys(self, layer: int) -> torch.Tensor:
@@ -128,6 +141,26 @@ class DecodeView(PrefillView):
         if self.kv_len is None or self.kv_len == self.cache.max_len:
             return keys, values
         return keys[:, :, : self.kv_len], values[:, :, : self.kv_len]
+
+
+_PAGE = mmap.PAGESIZE
+
+
+def zeros_committed_on_write(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """CPU tensors of zeros of ``shapes`` in one private anonymous mapping (each starting on a page):
+    a page takes memory when it is first written, not when it is allocated (``torch.zeros`` writes
+    every page). Reading a page never written reads zeros and takes none."""
+    sizes = [-(-math.prod(s) * dtype.itemsize // _PAGE) * _PAGE for s in shapes]
+    if not sum(sizes):
+        return [torch.zeros(s, dtype=dtype) for s in shapes]
+    region = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flat = torch.frombuffer(region, dtype=torch.uint8)  # holds ``region`` while a view of it lives
+    out, start = [], 0
+    for shape, size in zip(shapes, sizes):
+        n = math.prod(shape) * dtype.itemsize
+        out.append(flat[start: start + n].view(dtype).view(shape))
+        start += size
+    return out
 
 
 def finite(x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test test-all venv clean
+.PHONY: demo test test-all durations venv clean
 
 # uv installs the ~8 GB of wheels in about a minute where pip took about 3.5 min (the same versions);
 # pip is the fallback wherever uv cannot be installed or run. --compile-bytecode: pip writes every
@@ -22,26 +22,34 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/python -m mmzoo.infer model=qwen2_vl attention=pallas
 
-# the test suite (CI runs this): two workers, a test file each at a time (a file's module fixtures, such
-# as test_sharding's SPMD subprocess, run once); 14-16 min on 2 cores. It leaves out the tests marked
-# as slow (end-to-end runs of fresh processes whose parts other tests cover; see the README)
-# The files run in two pytest sessions, half each, so each worker process is fresh halfway: a process
-# keeps every XLA:CPU executable it compiled (100-260 memory maps each), and one worker that ran half
-# the suite passed the kernel's vm.max_map_count (65530) and segfaulted inside an XLA compile
-# Each session lists its 10 slowest tests (--durations), to see where the time goes
+# the test suite (CI runs this): two pytest sessions of two workers each, a test file per worker at a time
+# (a file's module fixtures, such as test_sharding's SPMD subprocess, run once); 11-15 min on 2 cores.
+# It leaves out the tests marked as slow (end-to-end runs of fresh processes whose parts other tests cover;
+# see the README). Two sessions, so each worker process is fresh halfway: a process keeps every XLA:CPU
+# executable it compiled (100-260 memory maps each), and one worker that ran half the suite passed the
+# kernel's vm.max_map_count (65530) and segfaulted inside an XLA compile. tests/schedule.py deals the files
+# into sessions of about equal time by their measured seconds (tests/durations.json; `make durations`
+# measures them again), heaviest first, and xdist keeps that order (--no-loadscope-reorder), so no worker
+# is left alone with a long file at the end. Each session lists its 10 slowest tests (--durations)
 TEST_WORKERS ?= 2
-TEST_FILES := $(sort $(wildcard tests/test_*.py))
-TEST_HALF := $(shell echo $$(( $(words $(TEST_FILES)) / 2 )))
+TEST_SESSIONS ?= 2
+# $(call sessions,PYTEST OPTIONS): every session in turn; $$status is 1 if one failed
+sessions = status=0; for k in $$(seq 1 $(TEST_SESSIONS)); do \
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10 $(1) \
+		$$($(VENV)/bin/python tests/schedule.py $(TEST_SESSIONS) $$k) || status=1; done
+
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=10 $(wordlist 1,$(TEST_HALF),$(TEST_FILES)); \
-	first=$$?; \
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=10 $(wordlist $(shell echo $$(( $(TEST_HALF) + 1 ))),1000,$(TEST_FILES)); \
-	second=$$?; \
-	exit $$(( first || second ))
+	$(call sessions,-m "not slow"); exit $$status
 
 # every test, the slow ones too
 test-all: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(call sessions,); exit $$status
+
+# the suite's seconds per test file, measured again into tests/durations.json (for the sessions' split)
+durations: $(STAMP)
+	rm -f .pytest_cache/junit-*.xml; \
+	$(call sessions,-m "not slow" --junitxml=.pytest_cache/junit-$$k.xml); \
+	$(VENV)/bin/python tests/schedule.py --record .pytest_cache/junit-*.xml; exit $$status
 
 clean:
 	rm -rf $(VENV)

@@ -313,14 +313,15 @@ def units(module: nn.Module, whole: tuple[type, ...], prefix: str = "") -> Itera
 
 
 def materialize(model: nn.Module, weights: Mapping, *, dtype: torch.dtype, device: torch.device,
-                layout: Callable[[str, nn.Module, bool], nn.Module | None] | None = None,
+                layout: Callable[[str, nn.Module, bool, bool], nn.Module | None] | None = None,
                 whole: tuple[type, ...] = (),
                 map_files: Callable[[str], bool] = lambda name: False,
                 progress: Callable[[int, int], None] | None = None) -> int:
     """Give every parameter of ``model`` its value from ``weights`` (name -> tensor or
     :class:`LazyTensor`, under ``model``'s names), unit by unit (:func:`units`): read, cast to
-    ``dtype`` (floating point only), laid out by ``layout(name, unit, is_whole)`` (a whole unit, or
-    a module whose own parameters these are; it may return a module that replaces ``unit``), placed
+    ``dtype`` (floating point only), laid out by ``layout(name, unit, is_whole, mapped)`` (a whole
+    unit, or a module whose own parameters these are; ``mapped``: every one of its tensors is still a
+    view of its file, read when touched; it may return a module that replaces ``unit``), placed
     on ``device``. Where ``map_files(name)`` (the unit's weights used in place on the CPU, with a
     layout that changes none of them), a checkpoint tensor already in ``dtype`` is a view of its
     file's one mapping, as in transformers' loader: nothing is copied and a page is read when first
@@ -338,6 +339,7 @@ def materialize(model: nn.Module, weights: Mapping, *, dtype: torch.dtype, devic
     total = sum(_nbytes(weights[n], dtype) for n, _ in model.named_parameters() if n in weights)
     done = 0
     for prefix, unit, is_whole in list(units(model, whole)):
+        mapped = True  # every tensor of the unit read as a view of its file (nothing read yet)
         names = ([n for n, _ in unit.named_parameters(remove_duplicate=False)] if is_whole else
                  [n for n, p in unit._parameters.items() if p is not None])
         for local in names:
@@ -355,17 +357,17 @@ def materialize(model: nn.Module, weights: Mapping, *, dtype: torch.dtype, devic
             elif isinstance(t, LazyTensor):  # copied (cast, laid out, or moved to the device)
                 t = t.load()
                 if t.is_floating_point() and t.dtype != dtype:
-                    t = t.to(dtype)
+                    t, mapped = t.to(dtype), False
                 else:
                     views.add(t.data_ptr())  # a view of its own mapping of the file: copied below if kept as it is
             else:
-                t = t.to(dtype) if t.is_floating_point() else t
+                t, mapped = (t.to(dtype) if t.is_floating_point() else t), False
             owner._parameters[leaf] = param = nn.Parameter(t, requires_grad=False)
             done += t.nbytes
             if name in targets:
                 placed[name] = param  # replaced by the placed one below
         if layout is not None:
-            new = layout(prefix[:-1], unit, is_whole)
+            new = layout(prefix[:-1], unit, is_whole, mapped)
             if new is not None and new is not unit:  # the layout replaced the module (a packed linear)
                 parent, leaf = _owner(model, prefix[:-1])
                 setattr(parent, leaf, new)

@@ -108,6 +108,7 @@ _MEASURE = textwrap.dedent("""
     open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from here
     engine = mmzoo.load(ckpt, executor=executor, dtype=dtype, max_model_len=32, max_batch=1, **opts)
     exe = engine.executor
+    exe.wait_ready()  # the eager executor's bf16 weights, packed in the background
     params = list(exe.model.parameters()) + [b for n, b in exe.model.named_buffers() if n.endswith("packed")]
     buffers = [exe.media] + exe.cache.k + exe.cache.v  # the executor's own allocations beside the weights
     print(json.dumps({"growth": rss("VmHWM:") - before, "bytes": sum(p.numel() * p.element_size() for p in params),
@@ -170,3 +171,31 @@ def test_eager_bfloat16_packs_the_lm_layers_and_keeps_the_tokens(qwen2_vl_ckpt):
     a, b = packed.generate(req), plain.generate(req)
     # the prompt's products may round differently; the decode steps' are the same products
     assert a.token_ids[:4] == b.token_ids[:4], (a.token_ids, b.token_ids)
+
+
+@pytest.mark.skipif(not __import__("mmzoo.executor._layout", fromlist=["can_pack"]).can_pack(),
+                    reason="this torch build has no oneDNN")
+def test_eager_packs_weights_mapped_from_a_bfloat16_checkpoint_in_the_background(tmp_path, monkeypatch):
+    """A bf16 checkpoint's LM weights are views of their files at load, packed after it on a thread
+    (or by the first forward that needs one): the tokens are those of weights packed at load."""
+    from mmzoo.executor import _layout
+    from mmzoo.fixtures.real_size import make_real_size_qwen2_vl
+
+    ckpt = make_real_size_qwen2_vl(tmp_path / "bf16", preset="tiny_shallow", dtype="bfloat16")
+    req = dict(prompt="Tell me a story.", max_new_tokens=12, ignore_eos=True)
+    background = mmzoo.load(ckpt, executor="eager", dtype="bfloat16", max_model_len=128)
+    background.executor.wait_ready()
+    linears = [m for m in background.executor.model.lm.layers.modules() if isinstance(m, _layout.PackedLinear)]
+    assert len(linears) == 4 * 7 and all(m.packed is not None and m._weight is None for m in linears)
+    monkeypatch.setattr(_layout, "pack_pending", lambda modules: None)  # no thread: each packed by its forward
+    on_demand = mmzoo.load(ckpt, executor="eager", dtype="bfloat16", max_model_len=128)
+    pending = [m for m in on_demand.executor.model.lm.layers.modules() if isinstance(m, _layout.PackedLinear)]
+    assert all(m.packed is None for m in pending)  # views of the files, nothing reordered at load
+    assert on_demand.generate(req).token_ids == background.generate(req).token_ids
+    assert all(m.packed is not None for m in pending)
+    monkeypatch.undo()
+    f32 = make_real_size_qwen2_vl(tmp_path / "f32", preset="tiny_shallow", dtype="float32")
+    cast = mmzoo.load(f32, executor="eager", dtype="bfloat16", max_model_len=128)  # read and cast: packed at load
+    assert all(m.packed is not None for m in cast.executor.model.lm.layers.modules()
+               if isinstance(m, _layout.PackedLinear))
+    assert cast.generate(req).token_ids == background.generate(req).token_ids

@@ -13,6 +13,8 @@ and XLA's CPU backend reads one wide matrix faster than several narrow ones.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
@@ -54,6 +56,9 @@ def fuse_projections(model: nn.Module) -> int:
     return len(fusable)
 
 
+_PACKING = threading.Lock()  # one reorder at a time: a linear's first forward and the background packer
+
+
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose weight is held in oneDNN's blocked layout, reordered once when it is
     placed instead of on every product (what torch.compile's CPU freezing does with
@@ -63,17 +68,44 @@ class PackedLinear(nn.Module):
     Args:
         linear: the placed ``nn.Linear`` (its weight is read once; its bias is kept).
         rows: the row count the layout is tuned for (the executor's ``max_batch``).
+        defer: keep the weight as it is (a checkpoint's is a view of its file) and reorder it at
+            :meth:`pack`: the executor packs every deferred linear on a background thread while the
+            first request is prepared and its media encoded, and a forward that comes first packs its
+            own linear.
     """
 
-    def __init__(self, linear: nn.Linear, rows: int):
+    def __init__(self, linear: nn.Linear, rows: int, *, defer: bool = False):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows),
-                             persistent=False)
+        self.in_features, self.out_features, self.rows = linear.in_features, linear.out_features, rows
+        self.register_buffer("packed", None, persistent=False)
         self.bias = linear.bias
+        self._weight = linear.weight.detach()  # until packed
+        if not defer:
+            self.pack()
+
+    def pack(self) -> torch.Tensor:
+        """The packed weight, reordered now if it is not yet (the source weight is then let go)."""
+        packed = self.packed
+        if packed is None:
+            with _PACKING:
+                if self.packed is None:
+                    self.packed = torch.ops.mkldnn._reorder_linear_weight(self._weight, self.rows)
+                    self._weight = None
+                packed = self.packed
+        return packed
 
     def forward(self, x):
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.pack(), self.bias, "none", [], "")
+
+
+def pack_pending(modules: list[PackedLinear]) -> None:
+    """Pack each deferred linear in turn (the eager executor's background thread). A failure stops it
+    quietly: the linear's own forward packs it again and raises there, in the request that needs it."""
+    for m in modules:
+        try:
+            m.pack()
+        except Exception:  # noqa: BLE001 - raised again where a request meets it
+            return
 
 
 def can_pack() -> bool:
@@ -81,14 +113,15 @@ def can_pack() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def pack_linears(module: nn.Module, rows: int, *, recurse: bool = True) -> nn.Module:
+def pack_linears(module: nn.Module, rows: int, *, recurse: bool = True, defer: bool = False) -> nn.Module:
     """Replace every ``nn.Linear`` under ``module`` by a :class:`PackedLinear` (``recurse=False``:
-    ``module`` itself only); returns ``module``, or its replacement when it is a linear itself."""
+    ``module`` itself only; ``defer``: packed later, see :class:`PackedLinear`); returns ``module``, or
+    its replacement when it is a linear itself."""
     if isinstance(module, nn.Linear):
-        return PackedLinear(module, rows)
+        return PackedLinear(module, rows, defer=defer)
     if recurse:
         for parent in list(module.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, PackedLinear(child, rows))
+                    setattr(parent, name, PackedLinear(child, rows, defer=defer))
     return module

@@ -100,6 +100,10 @@ class Executor(MediaSteps, ReadoutSteps):
     def graphs_since_warmup(self) -> int | None:
         return 0
 
+    def wait_ready(self) -> None:
+        """Return once the work :meth:`setup` left running in the background is done (the eager
+        executor's weight packing); requests need not wait for it."""
+
     def idle(self) -> None:
         """The loop has run everything it was given: the host memory its steps freed goes back to the
         system (:func:`~mmzoo._weights.release_freed_memory`). The allocator keeps freed activations
@@ -124,10 +128,11 @@ class Executor(MediaSteps, ReadoutSteps):
     def prepare_model(self, model) -> None:
         """Prepare ``model``'s buffers before its weights are placed (XLA: the rotary tables)."""
 
-    def layout(self, name: str, unit, whole: bool):
+    def layout(self, name: str, unit, whole: bool, mapped: bool = False):
         """Lay out unit ``name`` on the host between reading and placing its weights
         (:func:`mmzoo._weights.materialize`; ``whole``: an attention or gated MLP with everything
-        under it); returns a module replacing ``unit``, or None. XLA fuses and transposes, eager packs."""
+        under it; ``mapped``: its tensors are views of their checkpoint files, not read yet); returns
+        a module replacing ``unit``, or None. XLA fuses and transposes, eager packs."""
 
     def maps_files(self, name: str) -> bool:
         """Whether unit ``name``'s checkpoint tensors already in the run dtype stay views of their file."""

@@ -172,7 +172,7 @@ class XLAExecutor(Executor):
 
         return self._blocks if isinstance(self._blocks, LayerReplay) else None
 
-    def layout(self, name: str, unit, whole: bool) -> None:
+    def layout(self, name: str, unit, whole: bool, mapped: bool = False) -> None:
         """Stack q/k/v and gate/up into one linear each (``fuse_projections``), then hold linear
         weights transposed (``transpose_weights``), one unit at a time as it is read
         (:mod:`mmzoo.executor._layout`)."""

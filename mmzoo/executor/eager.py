@@ -91,6 +91,7 @@ class EagerExecutor(Executor):
             _layout.fuse_projections(unit)
         if self._packs(name):
             # a weight still a view of its file is packed in the background (reading it is most of the
-            # cost); one read already (cast from the checkpoint's dtype) now, not held twice meanwhile
-            return _layout.pack_linears(unit, self.max_batch, recurse=whole, defer=mapped)
+            # cost); one read already (cast from the checkpoint's dtype, or fused) now, not held twice meanwhile
+            fused = whole and self.fuse_projections
+            return _layout.pack_linears(unit, self.max_batch, recurse=whole, defer=mapped and not fused)
         return None

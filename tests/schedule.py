@@ -1,10 +1,10 @@
-"""The test files of one of ``make test``'s pytest sessions, heaviest first.
+"""The test files of one of ``make test``'s pytest runs, heaviest first.
 
-``python tests/schedule.py SESSIONS K`` prints the files of session ``K`` (1-based) of ``SESSIONS``,
+``python tests/schedule.py RUNS K`` prints the files of run ``K`` (1-based) of ``RUNS``,
 one per line. The files are dealt out by their measured seconds (``tests/durations.json``: each
 file's test time, setup included, summed over the tests of a full run on 2 cores; a file not listed
-counts as the median), heaviest first, each to the session with the least so far, so the sessions
-take about the same time; within a session the heaviest come first, so that pytest-xdist (with
+counts as the median), heaviest first, each to the run with the least so far, so the runs
+take about the same time; within a run the heaviest come first, so that pytest-xdist (with
 ``--dist loadfile --no-loadscope-reorder``) starts them first and no worker is left alone with a
 long file at the end.
 
@@ -36,10 +36,10 @@ def seconds() -> dict[str, float]:
     return {f: float(measured.get(f, default)) for f in files()}
 
 
-def sessions(n: int) -> list[list[str]]:
-    """The files dealt into ``n`` sessions of about equal seconds, each heaviest first."""
+def runs(n: int) -> list[list[str]]:
+    """The files dealt into ``n`` runs of about equal seconds, each heaviest first."""
     if n < 1:
-        raise ValueError(f"{n} sessions: at least 1")
+        raise ValueError(f"{n} runs: at least 1")
     took = seconds()
     out: list[list[str]] = [[] for _ in range(n)]
     load = [0.0] * n
@@ -71,9 +71,9 @@ def main(argv: list[str]) -> int:
         return 2
     n, k = int(argv[0]), int(argv[1])
     if not 1 <= k <= n:
-        print(f"session {k} of {n}: choose 1 to {n}", file=sys.stderr)
+        print(f"run {k} of {n}: choose 1 to {n}", file=sys.stderr)
         return 2
-    print("\n".join(sessions(n)[k - 1]))
+    print("\n".join(runs(n)[k - 1]))
     return 0
 
 

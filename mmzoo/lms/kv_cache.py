@@ -31,7 +31,7 @@ keys, as a transposed view).
 On the host (a CPU device) the cache is one anonymous memory mapping of zeros: the system gives a
 page memory when it is first written, so the cache grows in the process's memory as its slots fill,
 as transformers' ``DynamicCache`` grows by concatenation, while its addresses and shapes stay fixed
-(a batch-1 request of 256 positions commits about a tenth of the 8 slots x 1024 positions it
+(a batch-1 request of 256 positions commits a thirty-second of the 8 slots x 1024 positions it
 reserves). Positions attention reads that were never written read as zeros.
 """
 
